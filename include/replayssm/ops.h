@@ -1,0 +1,62 @@
+#pragma once
+/// \file ops.h
+/// The decode ops. One Args struct per op; the CPU and CUDA backends take the same Args, with
+/// pointers into the cache's memory (host for Device::kCpu, device for Device::kCuda).
+/// Tensors are dense and row-major in the shapes given; activations (and outputs) have the
+/// cache's input_dtype; per-head scalars and layer parameters are fp32.
+///
+/// A decode appends `num_tokens` (T) tokens per row after the row's committed position and
+/// computes all T outputs:
+///   - eager caches (T = 1 only) update the state in place;
+///   - replay caches compute every output from the unchanged checkpoint and the ring
+///     (ALGORITHM.md §4); the only state write is a fold of committed history that was due
+///     (committed - folded >= buffer_len), fused into the start of the step.
+/// T = 1 is plain decoding; T > 1 verifies a speculative window (1 real token + T-1 drafts).
+/// After the decodes of all layers, state_cache_commit(k) accepts k of the T tokens.
+
+#include <cstdint>
+
+#include "replayssm/state_cache.h"
+#include "replayssm/status.h"
+#include "replayssm/types.h"
+
+namespace replayssm {
+
+struct Mamba2DecodeArgs {
+  int layer = 0;
+  int batch = 0;
+  int num_tokens = 1;                      ///< T
+  const std::int32_t* slot_ids = nullptr;  ///< [batch]; -1 = pad row (skipped, nothing written)
+  const void* x = nullptr;                 ///< [batch, T, nheads, head_dim]   input dtype
+  const float* dt = nullptr;               ///< [batch, T, nheads]             raw dt
+  const void* B = nullptr;                 ///< [batch, T, ngroups, dstate]    input dtype
+  const void* C = nullptr;                 ///< [batch, T, ngroups, dstate]    input dtype
+  const void* z = nullptr;                 ///< [batch, T, nheads, head_dim]   optional gate
+  const float* A = nullptr;                ///< [nheads], < 0
+  const float* D = nullptr;                ///< [nheads]
+  const float* dt_bias = nullptr;          ///< [nheads]
+  void* y = nullptr;                       ///< [batch, T, nheads, head_dim]   input dtype
+};
+
+struct GdnDecodeArgs {
+  int layer = 0;
+  int batch = 0;
+  int num_tokens = 1;                      ///< T
+  const std::int32_t* slot_ids = nullptr;  ///< [batch]; -1 = pad row
+  const void* q = nullptr;                 ///< [batch, T, num_k_heads, head_k_dim]  input dtype
+  const void* k = nullptr;                 ///< [batch, T, num_k_heads, head_k_dim]  input dtype
+  const void* v = nullptr;                 ///< [batch, T, num_v_heads, head_v_dim]  input dtype
+  const float* g = nullptr;                ///< [batch, T, num_v_heads]  log-decay <= 0
+  const float* beta = nullptr;             ///< [batch, T, num_v_heads]  in (0, 1)
+  bool qk_l2norm = true;                   ///< L2-normalise q and k (eps 1e-6 under the root)
+  float scale = 0.0f;                      ///< applied to q (after normalising); 0 = K^-1/2
+  void* o = nullptr;                       ///< [batch, T, num_v_heads, head_v_dim]  input dtype
+};
+
+Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args);
+Status gdn_decode(StateCache& cache, const GdnDecodeArgs& args);
+
+/// Whether this build has the CUDA backend and a usable GPU is present.
+bool cuda_available();
+
+}  // namespace replayssm

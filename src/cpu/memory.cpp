@@ -1,0 +1,79 @@
+// Host memory for CPU state caches, and the Device::kCpu arm of the memory functions.
+
+#include <cstdlib>
+#include <cstring>
+
+#include "backend.h"
+
+namespace replayssm {
+
+#if defined(REPLAYSSM_WITH_CUDA)
+namespace cuda {
+Status memory_alloc(std::size_t bytes, void** ptr);
+void memory_free(void* ptr);
+Status memory_zero(void* ptr, std::size_t bytes);
+Status memory_copy(void* dst, const void* src, std::size_t bytes);  // cudaMemcpyDefault
+}  // namespace cuda
+#endif
+
+namespace {
+constexpr std::size_t kAlign = 256;
+}
+
+Status memory_alloc(Device device, std::size_t bytes, void** ptr) {
+  if (device == Device::kCuda) {
+#if defined(REPLAYSSM_WITH_CUDA)
+    return cuda::memory_alloc(bytes, ptr);
+#else
+    return unsupported("built without CUDA");
+#endif
+  }
+  const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
+  if (p == nullptr) {
+    return {StatusCode::kOutOfMemory, "host allocation of " + std::to_string(bytes) + " bytes failed"};
+  }
+  std::memset(p, 0, rounded);
+  *ptr = p;
+  return Status::ok();
+}
+
+void memory_free(Device device, void* ptr) {
+  if (device == Device::kCuda) {
+#if defined(REPLAYSSM_WITH_CUDA)
+    cuda::memory_free(ptr);
+#endif
+    return;
+  }
+  std::free(ptr);
+}
+
+Status memory_zero(Device device, void* ptr, std::size_t bytes) {
+  if (device == Device::kCuda) {
+#if defined(REPLAYSSM_WITH_CUDA)
+    return cuda::memory_zero(ptr, bytes);
+#else
+    return unsupported("built without CUDA");
+#endif
+  }
+  std::memset(ptr, 0, bytes);
+  return Status::ok();
+}
+
+Status memory_to_host(Device device, void* host_dst, const void* src, std::size_t bytes) {
+  if (device == Device::kCuda) {
+#if defined(REPLAYSSM_WITH_CUDA)
+    return cuda::memory_copy(host_dst, src, bytes);
+#else
+    return unsupported("built without CUDA");
+#endif
+  }
+  std::memcpy(host_dst, src, bytes);
+  return Status::ok();
+}
+
+Status memory_from_host(Device device, void* dst, const void* host_src, std::size_t bytes) {
+  return memory_to_host(device, dst, host_src, bytes);  // both directions are a plain copy
+}
+
+}  // namespace replayssm
