@@ -1,0 +1,134 @@
+#pragma once
+// Pieces shared by the CPU ops: dtype dispatch, checkpoint row access, ring addressing.
+// The CPU backend works per (row, head): a head's state block is independent of every other
+// head's, so ops parallelise over batch × heads with OpenMP and vectorise along cols.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common/numeric.h"
+#include "replayssm/types.h"
+#include "state_cache_layout.h"
+
+namespace replayssm::cpu {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+/// Calls f(TypeTag<T>{}) with T the C++ type of an activation/state dtype (f32, bf16, f16).
+template <typename F>
+void dispatch_activation(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32: f(TypeTag<float>{}); return;
+    case DType::kBF16: f(TypeTag<bf16_t>{}); return;
+    case DType::kF16: f(TypeTag<f16_t>{}); return;
+    case DType::kF8E4M3: return;  // never an activation dtype: rejected at cache creation
+  }
+}
+
+/// Addresses of one (layer, slot, head) state block in every checkpoint copy.
+struct CheckpointHead {
+  float* hi = nullptr;        // [rows, cols] fp32 master, or null
+  bf16_t* lo_bf16 = nullptr;  // [rows, cols], or null
+  fp8e4m3_t* lo_fp8 = nullptr;
+  float* lo_scale = nullptr;  // [rows] (fp8 only)
+  int rows = 0;
+  int cols = 0;
+};
+
+inline CheckpointHead checkpoint_head(const StateCacheLayout& l, int layer, int slot, int head) {
+  CheckpointHead c;
+  c.rows = l.dims.rows;
+  c.cols = l.dims.cols;
+  const std::int64_t block = l.layer_slot(layer, slot) * l.state_elems() +
+                             std::int64_t{head} * l.dims.rows * l.dims.cols;
+  if (l.ckpt_hi != nullptr) c.hi = l.ckpt_hi + block;
+  if (l.ckpt_lo != nullptr) {
+    if (l.lo_dtype() == DType::kF8E4M3) {
+      c.lo_fp8 = static_cast<fp8e4m3_t*>(l.ckpt_lo) + block;
+      c.lo_scale = l.ckpt_lo_scale + l.layer_slot(layer, slot) * l.state_rows() +
+                   std::int64_t{head} * l.dims.rows;
+    } else {
+      c.lo_bf16 = static_cast<bf16_t*>(l.ckpt_lo) + block;
+    }
+  }
+  return c;
+}
+
+/// Row r of the copy that outputs read: the low copy when there is one, else the fp32 one.
+inline void read_output_row(const CheckpointHead& c, int r, float* out) {
+  const std::int64_t off = std::int64_t{r} * c.cols;
+  if (c.lo_fp8 != nullptr) {
+    const float scale = c.lo_scale[r];
+    for (int i = 0; i < c.cols; ++i) out[i] = to_float(c.lo_fp8[off + i]) * scale;
+  } else if (c.lo_bf16 != nullptr) {
+    for (int i = 0; i < c.cols; ++i) out[i] = to_float(c.lo_bf16[off + i]);
+  } else {
+    for (int i = 0; i < c.cols; ++i) out[i] = c.hi[off + i];
+  }
+}
+
+/// Row r of the copy that folds update: the fp32 master when there is one (shared bf16 mode
+/// has only the low copy, which is the point of comparing against it).
+inline void read_master_row(const CheckpointHead& c, int r, float* out) {
+  if (c.hi != nullptr) {
+    const std::int64_t off = std::int64_t{r} * c.cols;
+    for (int i = 0; i < c.cols; ++i) out[i] = c.hi[off + i];
+  } else {
+    read_output_row(c, r, out);
+  }
+}
+
+/// Stores a folded fp32 row into every copy: the master as is, the low copy rounded (fp8 with
+/// a fresh per-row scale max|row| / 448, so the row's largest element maps to fp8's largest).
+inline void write_row(const CheckpointHead& c, int r, const float* row) {
+  const std::int64_t off = std::int64_t{r} * c.cols;
+  if (c.hi != nullptr) {
+    for (int i = 0; i < c.cols; ++i) c.hi[off + i] = row[i];
+  }
+  if (c.lo_bf16 != nullptr) {
+    for (int i = 0; i < c.cols; ++i) c.lo_bf16[off + i] = float_to_bf16(row[i]);
+  }
+  if (c.lo_fp8 != nullptr) {
+    float amax = 0.0f;
+    for (int i = 0; i < c.cols; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const float scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
+    const float inv = 1.0f / scale;
+    c.lo_scale[r] = scale;
+    for (int i = 0; i < c.cols; ++i) c.lo_fp8[off + i] = float_to_fp8e4m3(row[i] * inv);
+  }
+}
+
+/// One ring record of (layer, slot) at absolute position `pos`, typed.
+template <typename input_t>
+struct RingRecord {
+  input_t* vec;   // [heads, rows]
+  input_t* key;   // [key_heads, cols]
+  float* write;   // [heads]
+  float* decay;   // [heads]
+};
+
+template <typename input_t>
+RingRecord<input_t> ring_record(const StateCacheLayout& l, int layer, int slot,
+                                std::uint32_t pos) {
+  const std::int64_t rec = l.ring_record(layer, slot, pos);
+  return {static_cast<input_t*>(l.ring_vec) + rec * l.vec_elems(),
+          static_cast<input_t*>(l.ring_key) + rec * l.key_elems(),
+          l.ring_write + rec * l.dims.heads, l.ring_decay + rec * l.dims.heads};
+}
+
+/// Committed tokens of (layer, slot) not yet folded into its checkpoint.
+inline std::uint32_t unfolded(const StateCacheLayout& l, int layer, int slot) {
+  return l.committed[slot] - l.folded[l.layer_slot(layer, slot)];
+}
+
+/// The fold of one head: replays `count` ring records from position `first` into the
+/// checkpoint of (layer, slot, head). Defined in fold.cpp for both layer kinds.
+void fold_head(const StateCacheLayout& l, int layer, int slot, int head, std::uint32_t first,
+               std::uint32_t count);
+
+}  // namespace replayssm::cpu

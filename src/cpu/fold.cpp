@@ -1,0 +1,115 @@
+// Fold (ALGORITHM.md §5): replay a slot's committed ring records into its checkpoint. This is
+// the only place a replay cache writes state. The master copy is read and written in fp32;
+// the low copy is refreshed by rounding, so its rounding never enters a later update (§6).
+
+#include <cmath>
+#include <vector>
+
+#include "backend.h"
+#include "cpu_common.h"
+
+namespace replayssm::cpu {
+
+namespace {
+
+// Mamba-2: S ← τ·S + Σ_j s_j·x_j·B_jᵀ, with the decays taken from fp32 prefix sums of the
+// log-decays A·Δ_j (exponents of differences, all <= 0: no overflow, no running products).
+template <typename input_t>
+void fold_head_mamba2(const StateCacheLayout& l, int layer, int slot, int head,
+                      std::uint32_t first, std::uint32_t count) {
+  const int rows = l.dims.rows, cols = l.dims.cols;
+  const int group = head / l.dims.heads_per_key();
+  std::vector<float> cum(count), weight(count);
+  float total = 0.0f;
+  for (std::uint32_t j = 0; j < count; ++j) {
+    total += ring_record<input_t>(l, layer, slot, first + j).decay[head];
+    cum[j] = total;
+  }
+  for (std::uint32_t j = 0; j < count; ++j) {
+    weight[j] = ring_record<input_t>(l, layer, slot, first + j).write[head] *
+                std::exp(total - cum[j]);
+  }
+  const float tau = std::exp(total);
+  // Keys as fp32 once per head: [count, cols].
+  std::vector<float> keys(std::size_t(count) * cols);
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const input_t* B = ring_record<input_t>(l, layer, slot, first + j).key + group * cols;
+    for (int n = 0; n < cols; ++n) keys[std::size_t(j) * cols + n] = to_float(B[n]);
+  }
+  const CheckpointHead c = checkpoint_head(l, layer, slot, head);
+  std::vector<float> row(cols);
+  for (int p = 0; p < rows; ++p) {
+    read_master_row(c, p, row.data());
+    for (int n = 0; n < cols; ++n) row[n] *= tau;
+    for (std::uint32_t j = 0; j < count; ++j) {
+      const float xw =
+          weight[j] * to_float(ring_record<input_t>(l, layer, slot, first + j).vec[head * rows + p]);
+      const float* key = keys.data() + std::size_t(j) * cols;
+#pragma omp simd
+      for (int n = 0; n < cols; ++n) row[n] += xw * key[n];
+    }
+    write_row(c, p, row.data());
+  }
+}
+
+// GDN: the delta rule token by token, each value row on its own:
+//   s ← α·s;  d = β·(v − s·k̂);  s ← s + d·k̂.
+template <typename input_t>
+void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
+                   std::uint32_t first, std::uint32_t count) {
+  const int rows = l.dims.rows, cols = l.dims.cols;
+  const int key_head = head / l.dims.heads_per_key();
+  std::vector<float> keys(std::size_t(count) * cols), alpha(count), beta(count);
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
+    for (int k = 0; k < cols; ++k) keys[std::size_t(j) * cols + k] = to_float(r.key[key_head * cols + k]);
+    alpha[j] = std::exp(r.decay[head]);
+    beta[j] = r.write[head];
+  }
+  const CheckpointHead c = checkpoint_head(l, layer, slot, head);
+  std::vector<float> row(cols);
+  for (int v = 0; v < rows; ++v) {
+    read_master_row(c, v, row.data());
+    for (std::uint32_t j = 0; j < count; ++j) {
+      const float* key = keys.data() + std::size_t(j) * cols;
+      const float value = to_float(ring_record<input_t>(l, layer, slot, first + j).vec[head * rows + v]);
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int k = 0; k < cols; ++k) {
+        row[k] *= alpha[j];
+        dot += row[k] * key[k];
+      }
+      const float d = beta[j] * (value - dot);
+#pragma omp simd
+      for (int k = 0; k < cols; ++k) row[k] += d * key[k];
+    }
+    write_row(c, v, row.data());
+  }
+}
+
+}  // namespace
+
+void fold_head(const StateCacheLayout& l, int layer, int slot, int head, std::uint32_t first,
+               std::uint32_t count) {
+  if (count == 0) return;
+  dispatch_activation(l.config.input_dtype, [&](auto tag) {
+    using input_t = typename decltype(tag)::type;
+    if (l.config.kind == LayerKind::kMamba2) {
+      fold_head_mamba2<input_t>(l, layer, slot, head, first, count);
+    } else {
+      fold_head_gdn<input_t>(l, layer, slot, head, first, count);
+    }
+  });
+}
+
+void fold_committed(StateCacheLayout& l, int layer, int slot) {
+  if (l.config.mode == DecodeMode::kEager) return;
+  const std::uint32_t count = unfolded(l, layer, slot);
+  if (count == 0) return;
+  const std::uint32_t first = l.folded[l.layer_slot(layer, slot)];
+#pragma omp parallel for schedule(static)
+  for (int h = 0; h < l.dims.heads; ++h) fold_head(l, layer, slot, h, first, count);
+  l.folded[l.layer_slot(layer, slot)] = l.committed[slot];
+}
+
+}  // namespace replayssm::cpu

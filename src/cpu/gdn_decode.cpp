@@ -1,0 +1,208 @@
+// Gated DeltaNet decode on the CPU: eager (ALGORITHM.md §2) and replay with the adjoint output
+// form (§4): the query is walked back through the window, newest token first, then meets the
+// checkpoint in one mat-vec; the state is never built. Parallel over batch × value heads.
+
+#include <cmath>
+#include <vector>
+
+#include "backend.h"
+#include "cpu_common.h"
+
+namespace replayssm::cpu {
+
+namespace {
+
+struct GdnRow {
+  int b;
+  int slot;
+};
+
+std::vector<GdnRow> active_rows(const std::int32_t* slot_ids, int batch) {
+  std::vector<GdnRow> rows;
+  for (int b = 0; b < batch; ++b) {
+    if (slot_ids[b] >= 0) rows.push_back({b, slot_ids[b]});
+  }
+  return rows;
+}
+
+// u / sqrt(|u|² + 1e-6) · scale when normalising, else u · scale (fp32 out).
+template <typename input_t>
+void normalise(const input_t* u, int n, bool l2norm, float scale, float* out) {
+  float sq = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    out[i] = to_float(u[i]);
+    sq += out[i] * out[i];
+  }
+  const float f = l2norm ? scale / std::sqrt(sq + 1e-6f) : scale;
+  for (int i = 0; i < n; ++i) out[i] *= f;
+}
+
+float query_scale(const GdnDecodeArgs& a, int head_k_dim) {
+  return a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(head_k_dim));
+}
+
+template <typename input_t, typename state_t>
+void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
+  const StateDims d = l.dims;
+  const int V = d.rows, K = d.cols;
+  const std::vector<GdnRow> rows = active_rows(a.slot_ids, a.batch);
+  const int num_rows = static_cast<int>(rows.size());
+  const float qscale = query_scale(a, K);
+
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int i = 0; i < num_rows; ++i) {
+    for (int h = 0; h < d.heads; ++h) {
+      const GdnRow row = rows[static_cast<std::size_t>(i)];
+      const int kh = h / d.heads_per_key();
+      const std::int64_t key_off = (std::int64_t{row.b} * d.key_heads + kh) * K;
+      std::vector<float> q(K), k(K);
+      normalise(static_cast<const input_t*>(a.q) + key_off, K, a.qk_l2norm, qscale, q.data());
+      normalise(static_cast<const input_t*>(a.k) + key_off, K, a.qk_l2norm, 1.0f, k.data());
+      const std::int64_t bh = std::int64_t{row.b} * d.heads + h;
+      const float alpha = std::exp(a.g[bh]);
+      const float beta = a.beta[bh];
+      const auto* v = static_cast<const input_t*>(a.v) + bh * V;
+      auto* o = static_cast<input_t*>(a.o) + bh * V;
+      state_t* S = static_cast<state_t*>(l.state) +
+                   l.layer_slot(a.layer, row.slot) * l.state_elems() + std::int64_t{h} * V * K;
+      std::vector<float> s(K);
+      for (int r = 0; r < V; ++r) {
+        state_t* s_row = S + std::int64_t{r} * K;
+        float sk = 0.0f;
+        for (int c = 0; c < K; ++c) {
+          s[c] = alpha * to_float(s_row[c]);
+          sk += s[c] * k[c];
+        }
+        const float delta = beta * (to_float(v[r]) - sk);
+        float out = 0.0f;
+        for (int c = 0; c < K; ++c) {
+          s[c] += delta * k[c];
+          out += s[c] * q[c];
+          s_row[c] = from_float<state_t>(s[c]);
+        }
+        o[r] = from_float<input_t>(out);
+      }
+    }
+  }
+  for (const GdnRow& row : rows) l.pending[row.slot] = 1;
+}
+
+// Appends the window's records: k̂ per key head (normalised), v, β, g.
+template <typename input_t>
+void append_window(StateCacheLayout& l, const GdnDecodeArgs& a, const GdnRow& row) {
+  const StateDims d = l.dims;
+  const int T = a.num_tokens, K = d.cols;
+  std::vector<float> k(K);
+  for (int t = 0; t < T; ++t) {
+    const RingRecord<input_t> rec =
+        ring_record<input_t>(l, a.layer, row.slot, l.committed[row.slot] + t);
+    const std::int64_t bt = std::int64_t{row.b} * T + t;
+    for (int kh = 0; kh < d.key_heads; ++kh) {
+      normalise(static_cast<const input_t*>(a.k) + (bt * d.key_heads + kh) * K, K, a.qk_l2norm,
+                1.0f, k.data());
+      for (int c = 0; c < K; ++c) rec.key[kh * K + c] = from_float<input_t>(k[c]);
+    }
+    const auto* v = static_cast<const input_t*>(a.v) + bt * l.vec_elems();
+    std::copy(v, v + l.vec_elems(), rec.vec);
+    for (int h = 0; h < d.heads; ++h) {
+      rec.write[h] = a.beta[bt * d.heads + h];
+      rec.decay[h] = a.g[bt * d.heads + h];
+    }
+  }
+}
+
+// One value head of one row: fold if due, then for each window token t the adjoint walk
+//   tq ← q̂_t;  for j = w+t … 0:  c = β_j·(k̂_j·tq);  o += c·v_j;  tq ← α_j·(tq − c·k̂_j)
+// and o += S_c·tq, with S_c read once for all T tokens.
+template <typename input_t>
+void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const GdnRow& row, int h,
+                 bool fold_due) {
+  const StateDims d = l.dims;
+  const int V = d.rows, K = d.cols, T = a.num_tokens;
+  const int kh = h / d.heads_per_key();
+  std::uint32_t first = l.folded[l.layer_slot(a.layer, row.slot)];
+  std::uint32_t w = unfolded(l, a.layer, row.slot);
+  if (fold_due) {
+    fold_head(l, a.layer, row.slot, h, first, w);
+    first += w;
+    w = 0;
+  }
+  const float qscale = query_scale(a, K);
+  std::vector<float> tq(std::size_t(T) * K), acc(std::size_t(T) * V, 0.0f), key(K);
+  for (int t = 0; t < T; ++t) {
+    float* tq_t = tq.data() + std::size_t(t) * K;
+    float* o_t = acc.data() + std::size_t(t) * V;
+    normalise(static_cast<const input_t*>(a.q) +
+                  ((std::int64_t{row.b} * T + t) * d.key_heads + kh) * K,
+              K, a.qk_l2norm, qscale, tq_t);
+    for (std::uint32_t j = w + static_cast<std::uint32_t>(t) + 1; j-- > 0;) {
+      const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
+      float kt = 0.0f;
+      for (int c = 0; c < K; ++c) {
+        key[c] = to_float(rec.key[kh * K + c]);
+        kt += key[c] * tq_t[c];
+      }
+      const float coeff = rec.write[h] * kt;
+      const input_t* v = rec.vec + h * V;
+      for (int r = 0; r < V; ++r) o_t[r] += coeff * to_float(v[r]);
+      const float alpha = std::exp(rec.decay[h]);
+      for (int c = 0; c < K; ++c) tq_t[c] = alpha * (tq_t[c] - coeff * key[c]);
+    }
+  }
+  const CheckpointHead c = checkpoint_head(l, a.layer, row.slot, h);
+  std::vector<float> srow(K);
+  for (int r = 0; r < V; ++r) {
+    read_output_row(c, r, srow.data());
+    for (int t = 0; t < T; ++t) {
+      const float* tq_t = tq.data() + std::size_t(t) * K;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int i = 0; i < K; ++i) dot += srow[i] * tq_t[i];
+      acc[std::size_t(t) * V + r] += dot;
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    auto* o = static_cast<input_t*>(a.o) + ((std::int64_t{row.b} * T + t) * d.heads + h) * V;
+    for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(acc[std::size_t(t) * V + r]);
+  }
+}
+
+template <typename input_t>
+void replay_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
+  const std::vector<GdnRow> rows = active_rows(a.slot_ids, a.batch);
+  const int num_rows = static_cast<int>(rows.size());
+  const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
+  std::vector<char> fold_due(rows.size());
+  for (int i = 0; i < num_rows; ++i) {
+    fold_due[i] = unfolded(l, a.layer, rows[i].slot) >= L;
+    append_window<input_t>(l, a, rows[i]);
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int i = 0; i < num_rows; ++i) {
+    for (int h = 0; h < l.dims.heads; ++h) {
+      replay_head<input_t>(l, a, rows[static_cast<std::size_t>(i)], h, fold_due[i] != 0);
+    }
+  }
+  for (int i = 0; i < num_rows; ++i) {
+    const int slot = rows[i].slot;
+    if (fold_due[i]) l.folded[l.layer_slot(a.layer, slot)] = l.committed[slot];
+    l.pending[slot] = static_cast<std::uint8_t>(a.num_tokens);
+  }
+}
+
+}  // namespace
+
+void gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
+  dispatch_activation(l.config.input_dtype, [&](auto in_tag) {
+    using input_t = typename decltype(in_tag)::type;
+    if (l.config.mode == DecodeMode::kReplay) {
+      replay_decode<input_t>(l, args);
+      return;
+    }
+    dispatch_activation(l.config.state_dtype, [&](auto state_tag) {
+      eager_decode<input_t, typename decltype(state_tag)::type>(l, args);
+    });
+  });
+}
+
+}  // namespace replayssm::cpu

@@ -1,0 +1,218 @@
+// Mamba-2 decode on the CPU: eager (ALGORITHM.md §1) and replay (§4 inner-product form, §5
+// fold, §7 windows). Parallel over batch × heads; the inner loops run along dstate and
+// vectorise.
+
+#include <cmath>
+#include <vector>
+
+#include "backend.h"
+#include "cpu_common.h"
+
+namespace replayssm::cpu {
+
+namespace {
+
+struct Mamba2Row {
+  int b;
+  int slot;
+};
+
+// Rows whose slot is not a pad.
+std::vector<Mamba2Row> active_rows(const std::int32_t* slot_ids, int batch) {
+  std::vector<Mamba2Row> rows;
+  rows.reserve(static_cast<std::size_t>(batch));
+  for (int b = 0; b < batch; ++b) {
+    if (slot_ids[b] >= 0) rows.push_back({b, slot_ids[b]});
+  }
+  return rows;
+}
+
+// y ← (y + D·x) · silu(z), stored in the activation dtype.
+template <typename input_t>
+void store_output(const float* acc, const input_t* x, const input_t* z, float D, int n,
+                  input_t* y) {
+  for (int p = 0; p < n; ++p) {
+    float v = acc[p] + D * to_float(x[p]);
+    if (z != nullptr) v *= silu(to_float(z[p]));
+    y[p] = from_float<input_t>(v);
+  }
+}
+
+template <typename input_t, typename state_t>
+void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
+  const StateDims d = l.dims;
+  const int P = d.rows, N = d.cols;
+  const std::vector<Mamba2Row> rows = active_rows(a.slot_ids, a.batch);
+  const auto* x_all = static_cast<const input_t*>(a.x);
+  const auto* B_all = static_cast<const input_t*>(a.B);
+  const auto* C_all = static_cast<const input_t*>(a.C);
+  const auto* z_all = static_cast<const input_t*>(a.z);
+  auto* y_all = static_cast<input_t*>(a.y);
+  const int num_rows = static_cast<int>(rows.size());
+
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int i = 0; i < num_rows; ++i) {
+    for (int h = 0; h < d.heads; ++h) {
+      const Mamba2Row row = rows[static_cast<std::size_t>(i)];
+      const int g = h / d.heads_per_key();
+      const input_t* x = x_all + (std::int64_t{row.b} * d.heads + h) * P;
+      const input_t* z = z_all ? z_all + (std::int64_t{row.b} * d.heads + h) * P : nullptr;
+      std::vector<float> B(N), C(N), acc(P);
+      for (int n = 0; n < N; ++n) {
+        B[n] = to_float(B_all[(std::int64_t{row.b} * d.key_heads + g) * N + n]);
+        C[n] = to_float(C_all[(std::int64_t{row.b} * d.key_heads + g) * N + n]);
+      }
+      const float dt = softplus(a.dt[std::int64_t{row.b} * d.heads + h] + a.dt_bias[h]);
+      const float decay = std::exp(a.A[h] * dt);
+      state_t* S = static_cast<state_t*>(l.state) +
+                   l.layer_slot(a.layer, row.slot) * l.state_elems() + std::int64_t{h} * P * N;
+      for (int p = 0; p < P; ++p) {
+        const float xdt = to_float(x[p]) * dt;
+        state_t* s_row = S + std::int64_t{p} * N;
+        float dot = 0.0f;
+        for (int n = 0; n < N; ++n) {
+          const float s = decay * to_float(s_row[n]) + xdt * B[n];
+          s_row[n] = from_float<state_t>(s);
+          dot += s * C[n];
+        }
+        acc[p] = dot;
+      }
+      store_output(acc.data(), x, z, a.D[h], P,
+                   y_all + (std::int64_t{row.b} * d.heads + h) * P);
+    }
+  }
+  for (const Mamba2Row& row : rows) l.pending[row.slot] = 1;
+}
+
+// Appends the window's records: x, B as given; Δ = softplus(dt + dt_bias) and A·Δ in fp32.
+template <typename input_t>
+void append_window(StateCacheLayout& l, const Mamba2DecodeArgs& a, const Mamba2Row& row) {
+  const StateDims d = l.dims;
+  const int T = a.num_tokens;
+  for (int t = 0; t < T; ++t) {
+    const RingRecord<input_t> rec =
+        ring_record<input_t>(l, a.layer, row.slot, l.committed[row.slot] + t);
+    const std::int64_t bt = std::int64_t{row.b} * T + t;
+    const auto* x = static_cast<const input_t*>(a.x) + bt * l.vec_elems();
+    const auto* B = static_cast<const input_t*>(a.B) + bt * l.key_elems();
+    std::copy(x, x + l.vec_elems(), rec.vec);
+    std::copy(B, B + l.key_elems(), rec.key);
+    for (int h = 0; h < d.heads; ++h) {
+      const float dt = softplus(a.dt[bt * d.heads + h] + a.dt_bias[h]);
+      rec.write[h] = dt;
+      rec.decay[h] = a.A[h] * dt;
+    }
+  }
+}
+
+// One head of one row: fold the committed history if due, then the window's T outputs
+//   y_t = τ_t·(S_c·C_t) + Σ_{j ≤ w+t} s_j·(B_j·C_t)·x_j + D·x_t,
+// τ_t = exp(Λ_{w+t}), s_j = Δ_j·exp(Λ_{w+t} − Λ_j), Λ = prefix sums of A·Δ (fp32).
+template <typename input_t>
+void replay_head(StateCacheLayout& l, const Mamba2DecodeArgs& a, const Mamba2Row& row, int h,
+                 bool fold_due) {
+  const StateDims d = l.dims;
+  const int P = d.rows, N = d.cols, T = a.num_tokens;
+  const int g = h / d.heads_per_key();
+  std::uint32_t first = l.folded[l.layer_slot(a.layer, row.slot)];
+  std::uint32_t w = unfolded(l, a.layer, row.slot);
+  if (fold_due) {
+    fold_head(l, a.layer, row.slot, h, first, w);
+    first += w;
+    w = 0;
+  }
+  const std::uint32_t count = w + static_cast<std::uint32_t>(T);
+
+  std::vector<float> cum(count), dts(count);
+  float total = 0.0f;
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
+    total += rec.decay[h];
+    cum[j] = total;
+    dts[j] = rec.write[h];
+  }
+  // C_t as fp32, and B_j·C_t for every record j a window token t sees.
+  std::vector<float> C(std::size_t(T) * N), BC(std::size_t(T) * count, 0.0f);
+  for (int t = 0; t < T; ++t) {
+    const auto* c_in = static_cast<const input_t*>(a.C) +
+                       ((std::int64_t{row.b} * T + t) * d.key_heads + g) * N;
+    for (int n = 0; n < N; ++n) C[std::size_t(t) * N + n] = to_float(c_in[n]);
+  }
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const input_t* B = ring_record<input_t>(l, a.layer, row.slot, first + j).key + g * N;
+    for (int t = 0; t < T; ++t) {
+      if (j > w + static_cast<std::uint32_t>(t)) continue;
+      const float* c = C.data() + std::size_t(t) * N;
+      float dot = 0.0f;
+      for (int n = 0; n < N; ++n) dot += to_float(B[n]) * c[n];
+      BC[std::size_t(t) * count + j] = dot;
+    }
+  }
+  // acc[t][p] = τ_t·(S_c·C_t)[p]: one pass over the checkpoint's read copy for all T tokens.
+  std::vector<float> acc(std::size_t(T) * P), srow(N);
+  const CheckpointHead c = checkpoint_head(l, a.layer, row.slot, h);
+  for (int p = 0; p < P; ++p) {
+    read_output_row(c, p, srow.data());
+    for (int t = 0; t < T; ++t) {
+      const float* ct = C.data() + std::size_t(t) * N;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int n = 0; n < N; ++n) dot += srow[n] * ct[n];
+      acc[std::size_t(t) * P + p] = std::exp(cum[w + t]) * dot;
+    }
+  }
+  // The ring's contribution: Σ_j s_j·(B_j·C_t)·x_j.
+  for (int t = 0; t < T; ++t) {
+    const std::uint32_t last = w + static_cast<std::uint32_t>(t);
+    float* acc_t = acc.data() + std::size_t(t) * P;
+    for (std::uint32_t j = 0; j <= last; ++j) {
+      const float coeff = dts[j] * std::exp(cum[last] - cum[j]) * BC[std::size_t(t) * count + j];
+      const input_t* x = ring_record<input_t>(l, a.layer, row.slot, first + j).vec + h * P;
+      for (int p = 0; p < P; ++p) acc_t[p] += coeff * to_float(x[p]);
+    }
+    const std::int64_t off = ((std::int64_t{row.b} * T + t) * d.heads + h) * P;
+    const auto* x_t = static_cast<const input_t*>(a.x) + off;
+    const auto* z_t = a.z ? static_cast<const input_t*>(a.z) + off : nullptr;
+    store_output(acc_t, x_t, z_t, a.D[h], P, static_cast<input_t*>(a.y) + off);
+  }
+}
+
+template <typename input_t>
+void replay_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
+  const std::vector<Mamba2Row> rows = active_rows(a.slot_ids, a.batch);
+  const int num_rows = static_cast<int>(rows.size());
+  const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
+  std::vector<char> fold_due(rows.size());
+  for (int i = 0; i < num_rows; ++i) {
+    fold_due[i] = unfolded(l, a.layer, rows[i].slot) >= L;
+    append_window<input_t>(l, a, rows[i]);
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int i = 0; i < num_rows; ++i) {
+    for (int h = 0; h < l.dims.heads; ++h) {
+      replay_head<input_t>(l, a, rows[static_cast<std::size_t>(i)], h, fold_due[i] != 0);
+    }
+  }
+  for (int i = 0; i < num_rows; ++i) {
+    const int slot = rows[i].slot;
+    if (fold_due[i]) l.folded[l.layer_slot(a.layer, slot)] = l.committed[slot];
+    l.pending[slot] = static_cast<std::uint8_t>(a.num_tokens);
+  }
+}
+
+}  // namespace
+
+void mamba2_decode(StateCacheLayout& l, const Mamba2DecodeArgs& args) {
+  dispatch_activation(l.config.input_dtype, [&](auto in_tag) {
+    using input_t = typename decltype(in_tag)::type;
+    if (l.config.mode == DecodeMode::kReplay) {
+      replay_decode<input_t>(l, args);
+      return;
+    }
+    dispatch_activation(l.config.state_dtype, [&](auto state_tag) {
+      eager_decode<input_t, typename decltype(state_tag)::type>(l, args);
+    });
+  });
+}
+
+}  // namespace replayssm::cpu
