@@ -73,13 +73,8 @@ void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
     for (std::uint32_t j = 0; j < count; ++j) {
       const float* key = keys.data() + std::size_t(j) * cols;
       const float value = to_float(ring_record<input_t>(l, layer, slot, first + j).vec[head * rows + v]);
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int k = 0; k < cols; ++k) {
-        row[k] *= alpha[j];
-        dot += row[k] * key[k];
-      }
-      const float d = beta[j] * (value - dot);
+      for (int k = 0; k < cols; ++k) row[k] *= alpha[j];
+      const float d = beta[j] * (value - dot(row.data(), key, cols));
 #pragma omp simd
       for (int k = 0; k < cols; ++k) row[k] += d * key[k];
     }

@@ -12,19 +12,6 @@ namespace replayssm::cpu {
 
 namespace {
 
-struct GdnRow {
-  int b;
-  int slot;
-};
-
-std::vector<GdnRow> active_rows(const std::int32_t* slot_ids, int batch) {
-  std::vector<GdnRow> rows;
-  for (int b = 0; b < batch; ++b) {
-    if (slot_ids[b] >= 0) rows.push_back({b, slot_ids[b]});
-  }
-  return rows;
-}
-
 // u / sqrt(|u|² + 1e-6) · scale when normalising, else u · scale (fp32 out).
 template <typename input_t>
 void normalise(const input_t* u, int n, bool l2norm, float scale, float* out) {
@@ -45,19 +32,21 @@ template <typename input_t, typename state_t>
 void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
   const StateDims d = l.dims;
   const int V = d.rows, K = d.cols;
-  const std::vector<GdnRow> rows = active_rows(a.slot_ids, a.batch);
+  const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const int num_rows = static_cast<int>(rows.size());
   const float qscale = query_scale(a, K);
 
 #pragma omp parallel for collapse(2) schedule(static)
   for (int i = 0; i < num_rows; ++i) {
     for (int h = 0; h < d.heads; ++h) {
-      const GdnRow row = rows[static_cast<std::size_t>(i)];
+      const ActiveRow row = rows[static_cast<std::size_t>(i)];
       const int kh = h / d.heads_per_key();
       const std::int64_t key_off = (std::int64_t{row.b} * d.key_heads + kh) * K;
-      std::vector<float> q(K), k(K);
-      normalise(static_cast<const input_t*>(a.q) + key_off, K, a.qk_l2norm, qscale, q.data());
-      normalise(static_cast<const input_t*>(a.k) + key_off, K, a.qk_l2norm, 1.0f, k.data());
+      float* q = scratch(0, K);
+      float* k = scratch(1, K);
+      float* s = scratch(2, K);
+      normalise(static_cast<const input_t*>(a.q) + key_off, K, a.qk_l2norm, qscale, q);
+      normalise(static_cast<const input_t*>(a.k) + key_off, K, a.qk_l2norm, 1.0f, k);
       const std::int64_t bh = std::int64_t{row.b} * d.heads + h;
       const float alpha = std::exp(a.g[bh]);
       const float beta = a.beta[bh];
@@ -65,41 +54,34 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
       auto* o = static_cast<input_t*>(a.o) + bh * V;
       state_t* S = static_cast<state_t*>(l.state) +
                    l.layer_slot(a.layer, row.slot) * l.state_elems() + std::int64_t{h} * V * K;
-      std::vector<float> s(K);
       for (int r = 0; r < V; ++r) {
         state_t* s_row = S + std::int64_t{r} * K;
-        float sk = 0.0f;
-        for (int c = 0; c < K; ++c) {
-          s[c] = alpha * to_float(s_row[c]);
-          sk += s[c] * k[c];
-        }
-        const float delta = beta * (to_float(v[r]) - sk);
-        float out = 0.0f;
+        for (int c = 0; c < K; ++c) s[c] = alpha * to_float(s_row[c]);
+        const float delta = beta * (to_float(v[r]) - dot(s, k, K));
         for (int c = 0; c < K; ++c) {
           s[c] += delta * k[c];
-          out += s[c] * q[c];
           s_row[c] = from_float<state_t>(s[c]);
         }
-        o[r] = from_float<input_t>(out);
+        o[r] = from_float<input_t>(dot(s, q, K));
       }
     }
   }
-  for (const GdnRow& row : rows) l.pending[row.slot] = 1;
+  for (const ActiveRow& row : rows) l.pending[row.slot] = 1;
 }
 
 // Appends the window's records: k̂ per key head (normalised), v, β, g.
 template <typename input_t>
-void append_window(StateCacheLayout& l, const GdnDecodeArgs& a, const GdnRow& row) {
+void append_window(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& row) {
   const StateDims d = l.dims;
   const int T = a.num_tokens, K = d.cols;
-  std::vector<float> k(K);
+  float* k = scratch(0, K);
   for (int t = 0; t < T; ++t) {
     const RingRecord<input_t> rec =
         ring_record<input_t>(l, a.layer, row.slot, l.committed[row.slot] + t);
     const std::int64_t bt = std::int64_t{row.b} * T + t;
     for (int kh = 0; kh < d.key_heads; ++kh) {
       normalise(static_cast<const input_t*>(a.k) + (bt * d.key_heads + kh) * K, K, a.qk_l2norm,
-                1.0f, k.data());
+                1.0f, k);
       for (int c = 0; c < K; ++c) rec.key[kh * K + c] = from_float<input_t>(k[c]);
     }
     const auto* v = static_cast<const input_t*>(a.v) + bt * l.vec_elems();
@@ -115,7 +97,7 @@ void append_window(StateCacheLayout& l, const GdnDecodeArgs& a, const GdnRow& ro
 //   tq ← q̂_t;  for j = w+t … 0:  c = β_j·(k̂_j·tq);  o += c·v_j;  tq ← α_j·(tq − c·k̂_j)
 // and o += S_c·tq, with S_c read once for all T tokens.
 template <typename input_t>
-void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const GdnRow& row, int h,
+void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& row, int h,
                  bool fold_due) {
   const StateDims d = l.dims;
   const int V = d.rows, K = d.cols, T = a.num_tokens;
@@ -128,39 +110,31 @@ void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const GdnRow& row,
     w = 0;
   }
   const float qscale = query_scale(a, K);
-  std::vector<float> tq(std::size_t(T) * K), acc(std::size_t(T) * V, 0.0f), key(K);
+  float* tq = scratch(0, std::size_t(T) * K);
+  float* acc = scratch(1, std::size_t(T) * V);
+  float* key = scratch(2, K);
+  std::fill(acc, acc + std::size_t(T) * V, 0.0f);
   for (int t = 0; t < T; ++t) {
-    float* tq_t = tq.data() + std::size_t(t) * K;
-    float* o_t = acc.data() + std::size_t(t) * V;
+    float* tq_t = tq + std::size_t(t) * K;
+    float* o_t = acc + std::size_t(t) * V;
     normalise(static_cast<const input_t*>(a.q) +
                   ((std::int64_t{row.b} * T + t) * d.key_heads + kh) * K,
               K, a.qk_l2norm, qscale, tq_t);
     for (std::uint32_t j = w + static_cast<std::uint32_t>(t) + 1; j-- > 0;) {
       const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
-      float kt = 0.0f;
-      for (int c = 0; c < K; ++c) {
-        key[c] = to_float(rec.key[kh * K + c]);
-        kt += key[c] * tq_t[c];
-      }
-      const float coeff = rec.write[h] * kt;
+      for (int c = 0; c < K; ++c) key[c] = to_float(rec.key[kh * K + c]);
+      const float coeff = rec.write[h] * dot(key, tq_t, K);
       const input_t* v = rec.vec + h * V;
       for (int r = 0; r < V; ++r) o_t[r] += coeff * to_float(v[r]);
       const float alpha = std::exp(rec.decay[h]);
       for (int c = 0; c < K; ++c) tq_t[c] = alpha * (tq_t[c] - coeff * key[c]);
     }
   }
-  const CheckpointHead c = checkpoint_head(l, a.layer, row.slot, h);
-  std::vector<float> srow(K);
-  for (int r = 0; r < V; ++r) {
-    read_output_row(c, r, srow.data());
-    for (int t = 0; t < T; ++t) {
-      const float* tq_t = tq.data() + std::size_t(t) * K;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int i = 0; i < K; ++i) dot += srow[i] * tq_t[i];
-      acc[std::size_t(t) * V + r] += dot;
-    }
-  }
+  // The checkpoint's part, one pass for all T tokens: acc[t] += S_c·tq_t.
+  float* sc = scratch(3, std::size_t(T) * V);
+  checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), tq, T, sc,
+                    scratch(4, K));
+  for (std::size_t i = 0; i < std::size_t(T) * V; ++i) acc[i] += sc[i];
   for (int t = 0; t < T; ++t) {
     auto* o = static_cast<input_t*>(a.o) + ((std::int64_t{row.b} * T + t) * d.heads + h) * V;
     for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(acc[std::size_t(t) * V + r]);
@@ -169,7 +143,7 @@ void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const GdnRow& row,
 
 template <typename input_t>
 void replay_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
-  const std::vector<GdnRow> rows = active_rows(a.slot_ids, a.batch);
+  const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const int num_rows = static_cast<int>(rows.size());
   const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
   std::vector<char> fold_due(rows.size());

@@ -12,21 +12,6 @@ namespace replayssm::cpu {
 
 namespace {
 
-struct Mamba2Row {
-  int b;
-  int slot;
-};
-
-// Rows whose slot is not a pad.
-std::vector<Mamba2Row> active_rows(const std::int32_t* slot_ids, int batch) {
-  std::vector<Mamba2Row> rows;
-  rows.reserve(static_cast<std::size_t>(batch));
-  for (int b = 0; b < batch; ++b) {
-    if (slot_ids[b] >= 0) rows.push_back({b, slot_ids[b]});
-  }
-  return rows;
-}
-
 // y ← (y + D·x) · silu(z), stored in the activation dtype.
 template <typename input_t>
 void store_output(const float* acc, const input_t* x, const input_t* z, float D, int n,
@@ -42,7 +27,7 @@ template <typename input_t, typename state_t>
 void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
   const StateDims d = l.dims;
   const int P = d.rows, N = d.cols;
-  const std::vector<Mamba2Row> rows = active_rows(a.slot_ids, a.batch);
+  const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const auto* x_all = static_cast<const input_t*>(a.x);
   const auto* B_all = static_cast<const input_t*>(a.B);
   const auto* C_all = static_cast<const input_t*>(a.C);
@@ -53,11 +38,14 @@ void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
 #pragma omp parallel for collapse(2) schedule(static)
   for (int i = 0; i < num_rows; ++i) {
     for (int h = 0; h < d.heads; ++h) {
-      const Mamba2Row row = rows[static_cast<std::size_t>(i)];
+      const ActiveRow row = rows[static_cast<std::size_t>(i)];
       const int g = h / d.heads_per_key();
       const input_t* x = x_all + (std::int64_t{row.b} * d.heads + h) * P;
       const input_t* z = z_all ? z_all + (std::int64_t{row.b} * d.heads + h) * P : nullptr;
-      std::vector<float> B(N), C(N), acc(P);
+      float* B = scratch(0, N);
+      float* C = scratch(1, N);
+      float* acc = scratch(2, P);
+      float* s = scratch(3, N);
       for (int n = 0; n < N; ++n) {
         B[n] = to_float(B_all[(std::int64_t{row.b} * d.key_heads + g) * N + n]);
         C[n] = to_float(C_all[(std::int64_t{row.b} * d.key_heads + g) * N + n]);
@@ -69,24 +57,22 @@ void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
       for (int p = 0; p < P; ++p) {
         const float xdt = to_float(x[p]) * dt;
         state_t* s_row = S + std::int64_t{p} * N;
-        float dot = 0.0f;
         for (int n = 0; n < N; ++n) {
-          const float s = decay * to_float(s_row[n]) + xdt * B[n];
-          s_row[n] = from_float<state_t>(s);
-          dot += s * C[n];
+          s[n] = decay * to_float(s_row[n]) + xdt * B[n];
+          s_row[n] = from_float<state_t>(s[n]);
         }
-        acc[p] = dot;
+        acc[p] = dot(s, C, N);
       }
-      store_output(acc.data(), x, z, a.D[h], P,
+      store_output(acc, x, z, a.D[h], P,
                    y_all + (std::int64_t{row.b} * d.heads + h) * P);
     }
   }
-  for (const Mamba2Row& row : rows) l.pending[row.slot] = 1;
+  for (const ActiveRow& row : rows) l.pending[row.slot] = 1;
 }
 
 // Appends the window's records: x, B as given; Δ = softplus(dt + dt_bias) and A·Δ in fp32.
 template <typename input_t>
-void append_window(StateCacheLayout& l, const Mamba2DecodeArgs& a, const Mamba2Row& row) {
+void append_window(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRow& row) {
   const StateDims d = l.dims;
   const int T = a.num_tokens;
   for (int t = 0; t < T; ++t) {
@@ -105,34 +91,26 @@ void append_window(StateCacheLayout& l, const Mamba2DecodeArgs& a, const Mamba2R
   }
 }
 
-// One head of one row: fold the committed history if due, then the window's T outputs
+// One key group of one row (the heads that share B and C): fold the committed history if
+// due, then each head's window outputs
 //   y_t = τ_t·(S_c·C_t) + Σ_{j ≤ w+t} s_j·(B_j·C_t)·x_j + D·x_t,
 // τ_t = exp(Λ_{w+t}), s_j = Δ_j·exp(Λ_{w+t} − Λ_j), Λ = prefix sums of A·Δ (fp32).
+// B_j·C_t is computed once per group, not once per head.
 template <typename input_t>
-void replay_head(StateCacheLayout& l, const Mamba2DecodeArgs& a, const Mamba2Row& row, int h,
-                 bool fold_due) {
+void replay_group(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRow& row, int g,
+                  bool fold_due) {
   const StateDims d = l.dims;
   const int P = d.rows, N = d.cols, T = a.num_tokens;
-  const int g = h / d.heads_per_key();
-  std::uint32_t first = l.folded[l.layer_slot(a.layer, row.slot)];
-  std::uint32_t w = unfolded(l, a.layer, row.slot);
-  if (fold_due) {
-    fold_head(l, a.layer, row.slot, h, first, w);
-    first += w;
-    w = 0;
-  }
+  const std::uint32_t fold_first = l.folded[l.layer_slot(a.layer, row.slot)];
+  const std::uint32_t fold_count = unfolded(l, a.layer, row.slot);
+  // The records the outputs see: the unfolded history (none after a fold) and the window.
+  const std::uint32_t first = fold_due ? fold_first + fold_count : fold_first;
+  const std::uint32_t w = fold_due ? 0 : fold_count;
   const std::uint32_t count = w + static_cast<std::uint32_t>(T);
 
-  std::vector<float> cum(count), dts(count);
-  float total = 0.0f;
-  for (std::uint32_t j = 0; j < count; ++j) {
-    const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
-    total += rec.decay[h];
-    cum[j] = total;
-    dts[j] = rec.write[h];
-  }
-  // C_t as fp32, and B_j·C_t for every record j a window token t sees.
-  std::vector<float> C(std::size_t(T) * N), BC(std::size_t(T) * count, 0.0f);
+  float* C = scratch(0, std::size_t(T) * N);
+  float* BC = scratch(1, std::size_t(T) * count);
+  float* key = scratch(2, N);
   for (int t = 0; t < T; ++t) {
     const auto* c_in = static_cast<const input_t*>(a.C) +
                        ((std::int64_t{row.b} * T + t) * d.key_heads + g) * N;
@@ -140,46 +118,49 @@ void replay_head(StateCacheLayout& l, const Mamba2DecodeArgs& a, const Mamba2Row
   }
   for (std::uint32_t j = 0; j < count; ++j) {
     const input_t* B = ring_record<input_t>(l, a.layer, row.slot, first + j).key + g * N;
+    for (int n = 0; n < N; ++n) key[n] = to_float(B[n]);
     for (int t = 0; t < T; ++t) {
-      if (j > w + static_cast<std::uint32_t>(t)) continue;
-      const float* c = C.data() + std::size_t(t) * N;
-      float dot = 0.0f;
-      for (int n = 0; n < N; ++n) dot += to_float(B[n]) * c[n];
-      BC[std::size_t(t) * count + j] = dot;
+      BC[std::size_t(t) * count + j] = dot(key, C + std::size_t(t) * N, N);
     }
   }
-  // acc[t][p] = τ_t·(S_c·C_t)[p]: one pass over the checkpoint's read copy for all T tokens.
-  std::vector<float> acc(std::size_t(T) * P), srow(N);
-  const CheckpointHead c = checkpoint_head(l, a.layer, row.slot, h);
-  for (int p = 0; p < P; ++p) {
-    read_output_row(c, p, srow.data());
+
+  float* cum = scratch(3, count);
+  float* acc = scratch(4, std::size_t(T) * P);
+  float* srow = scratch(5, N);
+  const int heads_per_group = d.heads_per_key();
+  for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; ++h) {
+    if (fold_due) fold_head(l, a.layer, row.slot, h, fold_first, fold_count);
+    float total = 0.0f;
+    for (std::uint32_t j = 0; j < count; ++j) {
+      total += ring_record<input_t>(l, a.layer, row.slot, first + j).decay[h];
+      cum[j] = total;
+    }
+    // acc[t][p] = τ_t·(S_c·C_t)[p]: one pass over the checkpoint's read copy for all T tokens.
+    checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), C, T, acc, srow);
     for (int t = 0; t < T; ++t) {
-      const float* ct = C.data() + std::size_t(t) * N;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int n = 0; n < N; ++n) dot += srow[n] * ct[n];
-      acc[std::size_t(t) * P + p] = std::exp(cum[w + t]) * dot;
+      const std::uint32_t last = w + static_cast<std::uint32_t>(t);
+      float* acc_t = acc + std::size_t(t) * P;
+      const float tau = std::exp(cum[last]);
+      for (int p = 0; p < P; ++p) acc_t[p] *= tau;
+      // The ring's contribution: Σ_j s_j·(B_j·C_t)·x_j.
+      for (std::uint32_t j = 0; j <= last; ++j) {
+        const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
+        const float coeff =
+            rec.write[h] * std::exp(cum[last] - cum[j]) * BC[std::size_t(t) * count + j];
+        const input_t* x = rec.vec + h * P;
+        for (int p = 0; p < P; ++p) acc_t[p] += coeff * to_float(x[p]);
+      }
+      const std::int64_t off = ((std::int64_t{row.b} * T + t) * d.heads + h) * P;
+      const auto* x_t = static_cast<const input_t*>(a.x) + off;
+      const auto* z_t = a.z ? static_cast<const input_t*>(a.z) + off : nullptr;
+      store_output(acc_t, x_t, z_t, a.D[h], P, static_cast<input_t*>(a.y) + off);
     }
-  }
-  // The ring's contribution: Σ_j s_j·(B_j·C_t)·x_j.
-  for (int t = 0; t < T; ++t) {
-    const std::uint32_t last = w + static_cast<std::uint32_t>(t);
-    float* acc_t = acc.data() + std::size_t(t) * P;
-    for (std::uint32_t j = 0; j <= last; ++j) {
-      const float coeff = dts[j] * std::exp(cum[last] - cum[j]) * BC[std::size_t(t) * count + j];
-      const input_t* x = ring_record<input_t>(l, a.layer, row.slot, first + j).vec + h * P;
-      for (int p = 0; p < P; ++p) acc_t[p] += coeff * to_float(x[p]);
-    }
-    const std::int64_t off = ((std::int64_t{row.b} * T + t) * d.heads + h) * P;
-    const auto* x_t = static_cast<const input_t*>(a.x) + off;
-    const auto* z_t = a.z ? static_cast<const input_t*>(a.z) + off : nullptr;
-    store_output(acc_t, x_t, z_t, a.D[h], P, static_cast<input_t*>(a.y) + off);
   }
 }
 
 template <typename input_t>
 void replay_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
-  const std::vector<Mamba2Row> rows = active_rows(a.slot_ids, a.batch);
+  const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const int num_rows = static_cast<int>(rows.size());
   const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
   std::vector<char> fold_due(rows.size());
@@ -189,8 +170,8 @@ void replay_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
   }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int i = 0; i < num_rows; ++i) {
-    for (int h = 0; h < l.dims.heads; ++h) {
-      replay_head<input_t>(l, a, rows[static_cast<std::size_t>(i)], h, fold_due[i] != 0);
+    for (int g = 0; g < l.dims.key_heads; ++g) {
+      replay_group<input_t>(l, a, rows[static_cast<std::size_t>(i)], g, fold_due[i] != 0);
     }
   }
   for (int i = 0; i < num_rows; ++i) {
