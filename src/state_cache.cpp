@@ -74,7 +74,7 @@ StateCache::~StateCache() {
   auto& l = *layout_;
   const Device dev = l.config.device;
   for (void* p : {l.state, static_cast<void*>(l.ckpt_hi), l.ckpt_lo,
-                  static_cast<void*>(l.ckpt_lo_scale), l.ring_vec, l.ring_key,
+                  static_cast<void*>(l.ckpt_lo_scale), l.ring_vec, l.ring_key, static_cast<void*>(l.ring_key_scale),
                   static_cast<void*>(l.ring_write), static_cast<void*>(l.ring_decay),
                   static_cast<void*>(l.committed), static_cast<void*>(l.folded),
                   static_cast<void*>(l.pending), static_cast<void*>(l.allocated)}) {
@@ -132,6 +132,10 @@ Status state_cache_create(const StateCacheConfig& config, std::unique_ptr<StateC
         alloc_buffer(dev, records * l.vec_elems(), in_bytes, &l.ring_vec, &total));
     REPLAYSSM_RETURN_IF_ERROR(
         alloc_buffer(dev, records * l.key_elems(), in_bytes, &l.ring_key, &total));
+    if (config.kind == LayerKind::kGdn) {
+      REPLAYSSM_RETURN_IF_ERROR(
+          alloc_buffer(dev, records * l.dims.key_heads, 4, &l.ring_key_scale, &total));
+    }
     REPLAYSSM_RETURN_IF_ERROR(
         alloc_buffer(dev, records * l.dims.heads, 4, &l.ring_write, &total));
     REPLAYSSM_RETURN_IF_ERROR(

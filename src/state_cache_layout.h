@@ -6,10 +6,15 @@
 // [layer][slot][ring_capacity][...] and position p of a slot lives at p & (ring_capacity - 1).
 // Ring record per token (ALGORITHM.md §3), in the common heads × rows × cols view:
 //   ring_vec    [heads, rows]       Mamba-2 x, GDN v                  (input dtype)
-//   ring_key    [key_heads, cols]   Mamba-2 B, GDN normalised k̂      (input dtype)
+//   ring_key    [key_heads, cols]   Mamba-2 B, GDN raw k                (input dtype)
+//   ring_key_scale [key_heads]      GDN only: 1/sqrt(|k|² + 1e-6), or 1 without qk_l2norm (fp32)
 //   ring_write  [heads]             Mamba-2 Δ (after bias, softplus), GDN β        (fp32)
 //   ring_decay  [heads]             Mamba-2 A·Δ, GDN g: the token's log-decay     (fp32)
 // Mamba-2 stores A·Δ beside Δ so that a fold needs no layer parameters (export, preemption).
+// GDN stores the raw key, exact in the input dtype, and its fp32 normalisation factor, so that
+// k̂ = k·scale is formed in fp32 wherever it is used: a k̂ rounded to bf16 in the ring would put
+// an input-dtype rounding into every fold of the fp32 master (measured: 2x the error of a
+// plain bf16-input loop; with the scale, replay's error equals eager's).
 
 #include <cstdint>
 
@@ -36,6 +41,7 @@ struct StateCacheLayout {
 
   void* ring_vec = nullptr;
   void* ring_key = nullptr;
+  float* ring_key_scale = nullptr;
   float* ring_write = nullptr;
   float* ring_decay = nullptr;
 

@@ -164,6 +164,7 @@ template <typename input_t>
 struct RingRecord {
   input_t* vec;   // [heads, rows]
   input_t* key;   // [key_heads, cols]
+  float* key_scale;  // [key_heads] (GDN only, else null)
   float* write;   // [heads]
   float* decay;   // [heads]
 };
@@ -174,6 +175,7 @@ RingRecord<input_t> ring_record(const StateCacheLayout& l, int layer, int slot,
   const std::int64_t rec = l.ring_record(layer, slot, pos);
   return {static_cast<input_t*>(l.ring_vec) + rec * l.vec_elems(),
           static_cast<input_t*>(l.ring_key) + rec * l.key_elems(),
+          l.ring_key_scale ? l.ring_key_scale + rec * l.dims.key_heads : nullptr,
           l.ring_write + rec * l.dims.heads, l.ring_decay + rec * l.dims.heads};
 }
 

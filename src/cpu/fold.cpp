@@ -62,7 +62,10 @@ void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
   std::vector<float> keys(std::size_t(count) * cols), alpha(count), beta(count);
   for (std::uint32_t j = 0; j < count; ++j) {
     const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
-    for (int k = 0; k < cols; ++k) keys[std::size_t(j) * cols + k] = to_float(r.key[key_head * cols + k]);
+    const float key_scale = r.key_scale[key_head];
+    for (int k = 0; k < cols; ++k) {
+      keys[std::size_t(j) * cols + k] = to_float(r.key[key_head * cols + k]) * key_scale;
+    }
     alpha[j] = std::exp(r.decay[head]);
     beta[j] = r.write[head];
   }

@@ -12,16 +12,19 @@ namespace replayssm::cpu {
 
 namespace {
 
-// u / sqrt(|u|² + 1e-6) · scale when normalising, else u · scale (fp32 out).
+// 1 / sqrt(|u|² + 1e-6): the factor that L2-normalises u (fp32).
+template <typename input_t>
+float l2norm_factor(const input_t* u, int n) {
+  float sq = 0.0f;
+  for (int i = 0; i < n; ++i) sq += to_float(u[i]) * to_float(u[i]);
+  return 1.0f / std::sqrt(sq + 1e-6f);
+}
+
+// u · (l2norm_factor(u) when normalising) · scale, in fp32.
 template <typename input_t>
 void normalise(const input_t* u, int n, bool l2norm, float scale, float* out) {
-  float sq = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    out[i] = to_float(u[i]);
-    sq += out[i] * out[i];
-  }
-  const float f = l2norm ? scale / std::sqrt(sq + 1e-6f) : scale;
-  for (int i = 0; i < n; ++i) out[i] *= f;
+  const float f = l2norm ? scale * l2norm_factor(u, n) : scale;
+  for (int i = 0; i < n; ++i) out[i] = to_float(u[i]) * f;
 }
 
 float query_scale(const GdnDecodeArgs& a, int head_k_dim) {
@@ -69,20 +72,19 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
   for (const ActiveRow& row : rows) l.pending[row.slot] = 1;
 }
 
-// Appends the window's records: k̂ per key head (normalised), v, β, g.
+// Appends the window's records: raw k and its normalisation factor per key head, v, β, g.
 template <typename input_t>
 void append_window(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& row) {
   const StateDims d = l.dims;
   const int T = a.num_tokens, K = d.cols;
-  float* k = scratch(0, K);
   for (int t = 0; t < T; ++t) {
     const RingRecord<input_t> rec =
         ring_record<input_t>(l, a.layer, row.slot, l.committed[row.slot] + t);
     const std::int64_t bt = std::int64_t{row.b} * T + t;
+    const auto* k = static_cast<const input_t*>(a.k) + bt * l.key_elems();
+    std::copy(k, k + l.key_elems(), rec.key);
     for (int kh = 0; kh < d.key_heads; ++kh) {
-      normalise(static_cast<const input_t*>(a.k) + (bt * d.key_heads + kh) * K, K, a.qk_l2norm,
-                1.0f, k);
-      for (int c = 0; c < K; ++c) rec.key[kh * K + c] = from_float<input_t>(k[c]);
+      rec.key_scale[kh] = a.qk_l2norm ? l2norm_factor(k + kh * K, K) : 1.0f;
     }
     const auto* v = static_cast<const input_t*>(a.v) + bt * l.vec_elems();
     std::copy(v, v + l.vec_elems(), rec.vec);
@@ -122,7 +124,8 @@ void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& r
               K, a.qk_l2norm, qscale, tq_t);
     for (std::uint32_t j = w + static_cast<std::uint32_t>(t) + 1; j-- > 0;) {
       const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
-      for (int c = 0; c < K; ++c) key[c] = to_float(rec.key[kh * K + c]);
+      const float key_scale = rec.key_scale[kh];
+      for (int c = 0; c < K; ++c) key[c] = to_float(rec.key[kh * K + c]) * key_scale;
       const float coeff = rec.write[h] * dot(key, tq_t, K);
       const input_t* v = rec.vec + h * V;
       for (int r = 0; r < V; ++r) o_t[r] += coeff * to_float(v[r]);

@@ -1,0 +1,102 @@
+#pragma once
+/// \file bench.h
+/// Kernel-level decode benchmarks (BENCHMARKS.md, protocol): per case, our eager decode against
+/// replay at a real layer shape, measured side by side in one run, against the bytes model
+/// (bytes_model.h) and the machine's measured copy bandwidth.
+///
+/// Backends: run_cpu_bench (cpu_bench.cpp) and run_cuda_bench (cuda_bench.cu, written by the
+/// CUDA side; a build without it gets a clear kUnsupported from cuda_bench_unavailable.cpp).
+/// Both fill the same BenchReport, which bench_print and bench_write_json render.
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "replayssm/status.h"
+#include "replayssm/types.h"
+
+namespace replayssm {
+
+/// One layer shape of the protocol.
+struct BenchShape {
+  const char* name;  ///< "nano4b", "super120b", "qwen35-4b", "qwen35-122b"
+  LayerKind kind;
+  Mamba2Shape mamba2;
+  GdnShape gdn;
+  [[nodiscard]] StateDims dims() const {
+    return kind == LayerKind::kMamba2 ? state_dims(mamba2) : state_dims(gdn);
+  }
+};
+
+const std::vector<BenchShape>& bench_shapes();
+/// The shape called `name`, or nullptr.
+const BenchShape* bench_shape_find(const std::string& name);
+
+/// Aligned: every row folds on the same step (a batch of equal-length requests). Staggered:
+/// row b is b mod L tokens ahead, so 1/L of the rows fold on each step.
+enum class FlushPattern : std::uint8_t { kAligned, kStaggered };
+const char* flush_pattern_name(FlushPattern pattern);  ///< "aligned", "staggered"
+
+struct BenchOptions {
+  Device device = Device::kCpu;
+  std::vector<std::string> shapes = {"nano4b", "super120b", "qwen35-4b", "qwen35-122b"};
+  std::vector<int> batches = {16, 64};
+  int buffer_len = 16;  ///< L
+  /// Replay checkpoint precisions, each measured against the same eager baseline.
+  std::vector<CheckpointPrecision> checkpoints = {CheckpointPrecision::kFp32};
+  DType eager_state_dtype = DType::kF32;
+  DType input_dtype = DType::kBF16;  ///< activations
+  FlushPattern flush = FlushPattern::kAligned;
+  int repetitions = 5;  ///< timed cycles per case; the median is reported
+  int warmup_cycles = 1;
+  /// Rotate over enough slot groups that one cycle touches at least this much state, so the
+  /// state comes from memory and not from a cache; 0 = 4 × the last-level cache.
+  std::int64_t min_state_bytes = 0;
+  /// Called with (fraction done, what runs now); may be empty.
+  std::function<void(double, const std::string&)> progress;
+};
+
+struct BenchResult {
+  std::string shape;
+  int batch = 0;
+  DecodeMode mode = DecodeMode::kEager;
+  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  ///< replay only
+  int buffer_len = 0;
+  FlushPattern flush = FlushPattern::kAligned;
+  int slot_groups = 1;       ///< groups of `batch` slots rotated step by step
+  double us_per_step = 0.0;  ///< median over repetitions, one decode (+ commit) of the batch
+  double us_min = 0.0;       ///< fastest repetition
+  double model_bytes = 0.0;  ///< bytes model, per step
+  double gbps = 0.0;         ///< model_bytes / time
+  double pct_of_copy = 0.0;  ///< 100 · gbps / BenchReport::peak_gbps()
+  double speedup = 1.0;      ///< eager time / this time, same shape and batch, same run
+};
+
+struct BenchReport {
+  std::string device;      ///< "cpu (2 threads)", a GPU's name, ...
+  double copy_gbps = 0.0;  ///< measured copy bandwidth, (read + write) bytes / s / 1e9
+  /// CPU only (0 elsewhere): in-place update bandwidth, (read + write) bytes / s / 1e9. Where
+  /// memcpy pays a read for ownership of its destination, this is the machine's real ceiling
+  /// for a state update.
+  double update_gbps = 0.0;
+  std::vector<BenchResult> results;
+  /// What pct_of_copy is measured against: the larger of the two bandwidths.
+  [[nodiscard]] double peak_gbps() const {
+    return copy_gbps > update_gbps ? copy_gbps : update_gbps;
+  }
+};
+
+Status run_cpu_bench(const BenchOptions& options, BenchReport* report);
+/// Implemented in bench/cuda_bench.cu by the CUDA backend.
+Status run_cuda_bench(const BenchOptions& options, BenchReport* report);
+
+/// Fills model_bytes, gbps, pct_of_copy and speedup of every result from its timing.
+void bench_finish(BenchReport* report, const BenchOptions& options);
+/// A table, one line per case.
+void bench_print(const BenchReport& report, std::FILE* out);
+Status bench_write_json(const BenchReport& report, const BenchOptions& options,
+                        const std::string& path);
+
+}  // namespace replayssm

@@ -1,0 +1,128 @@
+// The shapes of the protocol, the derived figures of a report, and its table and JSON forms.
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "bench.h"
+#include "bytes_model.h"
+
+namespace replayssm {
+
+const std::vector<BenchShape>& bench_shapes() {
+  // BENCHMARKS.md, protocol: one layer of each model.
+  static const std::vector<BenchShape> shapes = {
+      {"nano4b", LayerKind::kMamba2, {96, 80, 128, 8}, {}},
+      {"super120b", LayerKind::kMamba2, {128, 64, 128, 8}, {}},
+      {"qwen35-4b", LayerKind::kGdn, {}, {16, 32, 128, 128}},
+      {"qwen35-122b", LayerKind::kGdn, {}, {16, 64, 128, 128}},
+  };
+  return shapes;
+}
+
+const BenchShape* bench_shape_find(const std::string& name) {
+  for (const BenchShape& s : bench_shapes()) {
+    if (name == s.name) return &s;
+  }
+  return nullptr;
+}
+
+const char* flush_pattern_name(FlushPattern pattern) {
+  return pattern == FlushPattern::kAligned ? "aligned" : "staggered";
+}
+
+namespace {
+
+std::string mode_label(const BenchResult& r) {
+  if (r.mode == DecodeMode::kEager) return "eager";
+  return std::string("replay ") + checkpoint_precision_name(r.checkpoint);
+}
+
+}  // namespace
+
+void bench_finish(BenchReport* report, const BenchOptions& options) {
+  for (BenchResult& r : report->results) {
+    const BenchShape* shape = bench_shape_find(r.shape);
+    if (shape == nullptr || r.us_per_step <= 0.0) continue;
+    BytesModelCase c;
+    c.dims = shape->dims();
+    c.batch = r.batch;
+    c.mode = r.mode;
+    c.state_dtype = options.eager_state_dtype;
+    c.checkpoint = r.checkpoint;
+    c.buffer_len = r.buffer_len;
+    c.input_dtype = options.input_dtype;
+    r.model_bytes = bytes_model_step(c).total();
+    r.gbps = r.model_bytes / (r.us_per_step * 1e-6) / 1e9;
+    r.pct_of_copy = report->peak_gbps() > 0.0 ? 100.0 * r.gbps / report->peak_gbps() : 0.0;
+    const auto eager =
+        std::find_if(report->results.begin(), report->results.end(), [&r](const BenchResult& e) {
+          return e.mode == DecodeMode::kEager && e.shape == r.shape && e.batch == r.batch;
+        });
+    r.speedup = eager != report->results.end() ? eager->us_per_step / r.us_per_step : 0.0;
+  }
+}
+
+void bench_print(const BenchReport& report, std::FILE* out) {
+  std::fprintf(out, "device: %s; copy bandwidth %.1f GB/s", report.device.c_str(),
+               report.copy_gbps);
+  if (report.update_gbps > 0.0) {
+    std::fprintf(out, ", in-place update %.1f GB/s", report.update_gbps);
+  }
+  std::fprintf(out, " (read + write bytes; %%copy is against %.1f GB/s)\n", report.peak_gbps());
+  std::fprintf(out, "%-12s %6s %-18s %3s %-9s %11s %9s %8s %7s %8s\n", "shape", "batch", "mode",
+               "L", "flush", "us/step", "MB/step", "GB/s", "%copy", "speedup");
+  for (const BenchResult& r : report.results) {
+    std::fprintf(out, "%-12s %6d %-18s %3d %-9s %11.1f %9.1f %8.1f %6.0f%% %7.2fx\n",
+                 r.shape.c_str(), r.batch, mode_label(r).c_str(), r.buffer_len,
+                 flush_pattern_name(r.flush), r.us_per_step, r.model_bytes / 1e6, r.gbps,
+                 r.pct_of_copy, r.speedup);
+  }
+}
+
+Status bench_write_json(const BenchReport& report, const BenchOptions& options,
+                        const std::string& path) {
+  using json = nlohmann::json;
+  json cases = json::array();
+  for (const BenchResult& r : report.results) {
+    cases.push_back({{"shape", r.shape},
+                     {"batch", r.batch},
+                     {"mode", decode_mode_name(r.mode)},
+                     {"checkpoint", r.mode == DecodeMode::kReplay
+                                        ? json(checkpoint_precision_name(r.checkpoint))
+                                        : json(nullptr)},
+                     {"buffer_len", r.buffer_len},
+                     {"flush", flush_pattern_name(r.flush)},
+                     {"slot_groups", r.slot_groups},
+                     {"us_per_step_median", r.us_per_step},
+                     {"us_per_step_min", r.us_min},
+                     {"model_bytes_per_step", r.model_bytes},
+                     {"model_gbps", r.gbps},
+                     {"pct_of_copy_bandwidth", r.pct_of_copy},
+                     {"speedup_vs_eager", r.speedup}});
+  }
+  const json doc = {{"device", report.device},
+                    {"copy_gbps", report.copy_gbps},
+                    {"update_gbps", report.update_gbps},
+                    {"peak_gbps", report.peak_gbps()},
+                    {"input_dtype", dtype_name(options.input_dtype)},
+                    {"eager_state_dtype", dtype_name(options.eager_state_dtype)},
+                    {"repetitions", options.repetitions},
+                    {"version", REPLAYSSM_VERSION},
+                    {"cases", cases}};
+  std::string text;
+  try {
+    text = doc.dump(2);
+  } catch (const json::exception& e) {  // only on invalid UTF-8, which no field holds
+    return {StatusCode::kInternal, std::string("cannot encode the JSON report: ") + e.what()};
+  }
+  std::ofstream file(path);
+  if (!file) return {StatusCode::kIoError, "cannot create '" + path + "'"};
+  file << text << "\n";
+  file.close();
+  if (!file) return {StatusCode::kIoError, "cannot write '" + path + "'"};
+  return Status::ok();
+}
+
+}  // namespace replayssm

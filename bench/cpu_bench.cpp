@@ -1,0 +1,382 @@
+// The CPU benchmark: eager against replay decode of one layer at the real shapes, timed over
+// whole fold cycles of L steps after warm-up, with the state rotated over enough slots that it
+// streams from memory (BENCHMARKS.md, protocol and CPU).
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "engine/activations.h"
+#include "engine/synthetic_trace.h"
+#include "replayssm/ops.h"
+#include "replayssm/state_cache.h"
+
+namespace replayssm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Distinct input sets cycled through the steps: real-looking, never zeros, and not one
+// repeated token (which would let a cache keep the activations hot).
+constexpr int kInputSets = 4;
+constexpr std::uint64_t kInputSeed = 2024;
+
+// Size of the largest CPU cache (the last level), from sysfs; 32 MiB when unknown.
+std::int64_t last_level_cache_bytes() {
+  std::int64_t best = 0;
+  int best_level = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    std::string size;  // "32768K"
+    if (!(level_file >> level) || !(size_file >> size) || size.empty()) continue;
+    std::int64_t bytes = std::atoll(size.c_str());
+    if (size.back() == 'K') bytes <<= 10;
+    if (size.back() == 'M') bytes <<= 20;
+    if (level > best_level || (level == best_level && bytes > best)) {
+      best_level = level;
+      best = bytes;
+    }
+  }
+  return best > 0 ? best : std::int64_t{32} << 20;
+}
+
+// Read + write bandwidth of main memory with all the threads the kernels use, GB/s (bytes read
+// plus bytes written, per second), best of 5 over 256 MiB: `memcpy_gbps` for a memcpy split
+// across threads, `update_gbps` for an in-place update a[i] = a[i]·c + 1 (the access pattern of
+// an eager state update). On some machines (VMs in particular) memcpy's stores cost an extra
+// read for ownership and it reaches well below what an in-place update does.
+void measure_bandwidth(double* memcpy_gbps, double* update_gbps) {
+  constexpr std::size_t kBytes = std::size_t{256} << 20;
+  constexpr std::size_t kChunk = std::size_t{1} << 20;
+  constexpr std::int64_t kChunks = kBytes / kChunk;
+  constexpr std::int64_t kFloats = kBytes / sizeof(float);
+  const auto src = std::make_unique<char[]>(kBytes);
+  const auto dst = std::make_unique<char[]>(kBytes);
+  // First touch in the same parallel layout as the timed loops.
+#pragma omp parallel for schedule(static)
+  for (std::int64_t c = 0; c < kChunks; ++c) {
+    std::memset(src.get() + c * kChunk, 0, kChunk);
+    std::memset(dst.get() + c * kChunk, 0, kChunk);
+  }
+  const auto best_of_5 = [](auto&& loop) {
+    double best = 0.0;
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto start = Clock::now();
+      loop();
+      const double s = std::chrono::duration<double>(Clock::now() - start).count();
+      best = std::max(best, 2.0 * double(kBytes) / s / 1e9);
+    }
+    return best;
+  };
+  *memcpy_gbps = best_of_5([&] {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t c = 0; c < kChunks; ++c) {
+      std::memcpy(dst.get() + c * kChunk, src.get() + c * kChunk, kChunk);
+    }
+  });
+  float* a = reinterpret_cast<float*>(src.get());
+  *update_gbps = best_of_5([&] {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < kFloats; ++i) a[i] = a[i] * 0.5f + 1.0f;  // stays finite
+  });
+}
+
+// One step's inputs for the whole batch, in the cache's dtypes ([batch, 1, ...] windows are
+// the trace's [batch, ...] rows of one step).
+struct StepInputs {
+  std::vector<std::uint8_t> vec;           // Mamba-2 x; GDN v
+  std::vector<std::uint8_t> key_a, key_b;  // Mamba-2 B, C; GDN q, k
+  std::vector<float> head_a, head_b;       // Mamba-2 dt, (none); GDN g, beta
+};
+
+template <typename T>
+std::vector<T> step_slice(const std::vector<T>& all, int step, std::int64_t per_step) {
+  return {all.begin() + step * per_step, all.begin() + (step + 1) * per_step};
+}
+
+// Everything the timed loop needs for one case.
+class CaseRunner {
+ public:
+  CaseRunner(const BenchShape& shape, int batch, int groups, const BenchOptions& options)
+      : shape_(shape), batch_(batch), groups_(groups), options_(options) {}
+
+  Status init(DecodeMode mode, CheckpointPrecision checkpoint) {
+    StateCacheConfig config;
+    config.kind = shape_.kind;
+    config.mamba2 = shape_.mamba2;
+    config.gdn = shape_.gdn;
+    config.capacity = batch_ * groups_;
+    config.device = Device::kCpu;
+    config.mode = mode;
+    config.input_dtype = options_.input_dtype;
+    config.state_dtype = options_.eager_state_dtype;
+    config.buffer_len = options_.buffer_len;
+    config.checkpoint = checkpoint;
+    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_));
+    group_slots_.assign(static_cast<std::size_t>(groups_), {});
+    for (auto& group : group_slots_) {
+      for (int b = 0; b < batch_; ++b) {
+        int slot = -1;
+        REPLAYSSM_RETURN_IF_ERROR(state_cache_allocate_slot(*cache_, &slot));
+        group.push_back(slot);
+      }
+    }
+    accepted_.assign(static_cast<std::size_t>(batch_), 1);
+    REPLAYSSM_RETURN_IF_ERROR(make_inputs());
+    const StateDims d = shape_.dims();
+    out_.resize(static_cast<std::size_t>(std::int64_t{batch_} * d.heads * d.rows) *
+                dtype_size(options_.input_dtype));
+    return Status::ok();
+  }
+
+  // Staggered flushes: row b is pre-advanced by b mod L tokens (padding the others), so that
+  // afterwards 1/L of the rows fold on each step.
+  Status stagger() {
+    const int L = options_.buffer_len;
+    for (int j = 0; j + 1 < L; ++j) {
+      for (const auto& group : group_slots_) {
+        std::vector<std::int32_t> ids = group;
+        for (int b = 0; b < batch_; ++b) {
+          if (b % L <= j) ids[static_cast<std::size_t>(b)] = -1;
+        }
+        REPLAYSSM_RETURN_IF_ERROR(step(ids, j % kInputSets));
+      }
+    }
+    return Status::ok();
+  }
+
+  // One fold cycle: L steps of every slot group, groups interleaved step by step.
+  Status cycle(int* input_set) {
+    for (int s = 0; s < options_.buffer_len; ++s) {
+      for (const auto& group : group_slots_) {
+        REPLAYSSM_RETURN_IF_ERROR(step(group, *input_set));
+      }
+      *input_set = (*input_set + 1) % kInputSets;
+    }
+    return Status::ok();
+  }
+
+ private:
+  Status make_inputs() {
+    SyntheticTraceOptions o;
+    o.num_steps = kInputSets;
+    o.batch = batch_;
+    o.seed = kInputSeed;
+    o.mamba2_gate = false;  // serving kernels apply the gate in the following norm, not here
+    LayerTrace trace;
+    const DType act = options_.input_dtype;
+    if (shape_.kind == LayerKind::kMamba2) {
+      REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_mamba2(shape_.mamba2, o, &trace));
+      const Mamba2Trace& t = trace.mamba2;
+      const std::int64_t vec = std::int64_t{batch_} * t.shape.nheads * t.shape.head_dim;
+      const std::int64_t key = std::int64_t{batch_} * t.shape.ngroups * t.shape.dstate;
+      const std::int64_t head = std::int64_t{batch_} * t.shape.nheads;
+      for (int i = 0; i < kInputSets; ++i) {
+        StepInputs in;
+        in.vec = activations_pack(act, step_slice(t.x, i, vec));
+        in.key_a = activations_pack(act, step_slice(t.B, i, key));
+        in.key_b = activations_pack(act, step_slice(t.C, i, key));
+        in.head_a = step_slice(t.dt, i, head);
+        inputs_.push_back(std::move(in));
+      }
+      A_ = t.A;
+      D_ = t.D;
+      dt_bias_ = t.dt_bias;
+    } else {
+      REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_gdn(shape_.gdn, o, &trace));
+      const GdnTrace& t = trace.gdn;
+      const std::int64_t vec = std::int64_t{batch_} * t.shape.num_v_heads * t.shape.head_v_dim;
+      const std::int64_t key = std::int64_t{batch_} * t.shape.num_k_heads * t.shape.head_k_dim;
+      const std::int64_t head = std::int64_t{batch_} * t.shape.num_v_heads;
+      for (int i = 0; i < kInputSets; ++i) {
+        StepInputs in;
+        in.vec = activations_pack(act, step_slice(t.v, i, vec));
+        in.key_a = activations_pack(act, step_slice(t.q, i, key));
+        in.key_b = activations_pack(act, step_slice(t.k, i, key));
+        in.head_a = step_slice(t.g, i, head);
+        in.head_b = step_slice(t.beta, i, head);
+        inputs_.push_back(std::move(in));
+      }
+    }
+    return Status::ok();
+  }
+
+  // One decode of `batch` rows plus the commit of one token each.
+  Status step(const std::vector<std::int32_t>& slot_ids, int input_set) {
+    const StepInputs& in = inputs_[static_cast<std::size_t>(input_set)];
+    if (shape_.kind == LayerKind::kMamba2) {
+      Mamba2DecodeArgs a;
+      a.batch = batch_;
+      a.slot_ids = slot_ids.data();
+      a.x = in.vec.data();
+      a.dt = in.head_a.data();
+      a.B = in.key_a.data();
+      a.C = in.key_b.data();
+      a.A = A_.data();
+      a.D = D_.data();
+      a.dt_bias = dt_bias_.data();
+      a.y = out_.data();
+      REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
+    } else {
+      GdnDecodeArgs a;
+      a.batch = batch_;
+      a.slot_ids = slot_ids.data();
+      a.q = in.key_a.data();
+      a.k = in.key_b.data();
+      a.v = in.vec.data();
+      a.g = in.head_a.data();
+      a.beta = in.head_b.data();
+      a.o = out_.data();
+      REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
+    }
+    CommitArgs commit;
+    commit.batch = batch_;
+    commit.slot_ids = slot_ids.data();
+    commit.accepted = accepted_.data();
+    return state_cache_commit(*cache_, commit);
+  }
+
+  const BenchShape& shape_;
+  int batch_;
+  int groups_;
+  const BenchOptions& options_;
+  std::unique_ptr<StateCache> cache_;
+  std::vector<std::vector<std::int32_t>> group_slots_;
+  std::vector<std::int32_t> accepted_;
+  std::vector<StepInputs> inputs_;
+  std::vector<float> A_, D_, dt_bias_;
+  std::vector<std::uint8_t> out_;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Slot groups rotated so that one cycle touches at least min_state_bytes of state.
+int slot_groups(const BenchShape& shape, int batch, const BenchOptions& options,
+                std::int64_t min_state_bytes) {
+  const std::int64_t group_bytes = shape.dims().state_elems() * batch *
+                                   static_cast<std::int64_t>(dtype_size(options.eager_state_dtype));
+  return static_cast<int>(
+      std::max<std::int64_t>(1, (min_state_bytes + group_bytes - 1) / group_bytes));
+}
+
+// Eager and every replay precision of one shape and batch. Their timed cycles are interleaved
+// (eager, replay, eager, replay, ...) so that all of them see the same machine conditions,
+// which matters on a machine shared with other work; each one's median is over its own cycles.
+Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& options,
+                        std::int64_t min_state_bytes, std::vector<BenchResult>* results) {
+  struct Case {
+    DecodeMode mode = DecodeMode::kEager;
+    CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
+    std::unique_ptr<CaseRunner> runner;
+    int input_set = 0;
+    std::vector<double> us;
+  };
+  std::vector<Case> cases(1 + options.checkpoints.size());
+  cases[0].mode = DecodeMode::kEager;
+  for (std::size_t i = 0; i < options.checkpoints.size(); ++i) {
+    cases[i + 1].mode = DecodeMode::kReplay;
+    cases[i + 1].checkpoint = options.checkpoints[i];
+  }
+  const int groups = slot_groups(shape, batch, options, min_state_bytes);
+  for (Case& c : cases) {
+    c.runner = std::make_unique<CaseRunner>(shape, batch, groups, options);
+    REPLAYSSM_RETURN_IF_ERROR(c.runner->init(c.mode, c.checkpoint));
+    if (options.flush == FlushPattern::kStaggered && c.mode == DecodeMode::kReplay) {
+      REPLAYSSM_RETURN_IF_ERROR(c.runner->stagger());
+    }
+    for (int w = 0; w < options.warmup_cycles; ++w) {
+      REPLAYSSM_RETURN_IF_ERROR(c.runner->cycle(&c.input_set));
+    }
+  }
+  const double steps_per_cycle = double(groups) * options.buffer_len;
+  for (int rep = 0; rep < options.repetitions; ++rep) {
+    for (Case& c : cases) {
+      const auto start = Clock::now();
+      REPLAYSSM_RETURN_IF_ERROR(c.runner->cycle(&c.input_set));
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      c.us.push_back(seconds * 1e6 / steps_per_cycle);
+    }
+  }
+  for (const Case& c : cases) {
+    BenchResult r;
+    r.shape = shape.name;
+    r.batch = batch;
+    r.mode = c.mode;
+    r.checkpoint = c.checkpoint;
+    r.buffer_len = options.buffer_len;
+    r.flush = options.flush;
+    r.slot_groups = groups;
+    r.us_per_step = median(c.us);
+    r.us_min = *std::min_element(c.us.begin(), c.us.end());
+    results->push_back(r);
+  }
+  return Status::ok();
+}
+
+Status validate(const BenchOptions& o) {
+  if (o.shapes.empty() || o.batches.empty()) return invalid_argument("no shapes or batches to run");
+  for (const std::string& s : o.shapes) {
+    if (bench_shape_find(s) == nullptr) {
+      std::string names;
+      for (const BenchShape& b : bench_shapes())
+        names += std::string(names.empty() ? "" : ", ") + b.name;
+      return invalid_argument("unknown shape '" + s + "'; shapes: " + names);
+    }
+  }
+  for (int b : o.batches) {
+    if (b < 1) return invalid_argument("batch sizes must be >= 1");
+  }
+  if (o.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
+  if (o.repetitions < 1 || o.warmup_cycles < 0) {
+    return invalid_argument("repetitions must be >= 1 and warm-up cycles >= 0");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status run_cpu_bench(const BenchOptions& options, BenchReport* report) {
+  if (report == nullptr) return invalid_argument("run_cpu_bench: report is null");
+  REPLAYSSM_RETURN_IF_ERROR(validate(options));
+  const std::int64_t min_state_bytes =
+      options.min_state_bytes > 0 ? options.min_state_bytes : 4 * last_level_cache_bytes();
+  BenchReport out;
+  out.device = "cpu (" + std::to_string(omp_get_max_threads()) + " threads)";
+  if (options.progress) options.progress(0.0, "memory bandwidth");
+  measure_bandwidth(&out.copy_gbps, &out.update_gbps);
+
+  const std::size_t total = options.shapes.size() * options.batches.size();
+  std::size_t done = 0;
+  for (const std::string& name : options.shapes) {
+    const BenchShape& shape = *bench_shape_find(name);
+    for (int batch : options.batches) {
+      if (options.progress) {
+        options.progress(double(done) / double(total),
+                         std::string(shape.name) + " batch " + std::to_string(batch));
+      }
+      REPLAYSSM_RETURN_IF_ERROR(
+          time_shape_batch(shape, batch, options, min_state_bytes, &out.results));
+      ++done;
+    }
+  }
+  if (options.progress) options.progress(1.0, "done");
+  bench_finish(&out, options);
+  *report = std::move(out);
+  return Status::ok();
+}
+
+}  // namespace replayssm
