@@ -3,9 +3,9 @@
 // that both round the same way (round-to-nearest-even; fp8 e4m3 saturates at ±448, like
 // __NV_SATFINITE). Host code and device code both include this.
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #if defined(__CUDACC__)
 #define REPLAYSSM_HD __host__ __device__ __forceinline__
@@ -29,18 +29,14 @@ REPLAYSSM_HD std::uint32_t float_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
 #else
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
+  return std::bit_cast<std::uint32_t>(f);
 #endif
 }
 REPLAYSSM_HD float bits_float(std::uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
 #else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  return std::bit_cast<float>(u);  // unlike memcpy, keeps loops that use it vectorisable
 #endif
 }
 

@@ -54,6 +54,7 @@ void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
       const float decay = std::exp(a.A[h] * dt);
       state_t* S = static_cast<state_t*>(l.state) +
                    l.layer_slot(a.layer, row.slot) * l.state_elems() + std::int64_t{h} * P * N;
+      RowDots dots(P, scratch(4, std::size_t(RowDots::kLanes) * P));
       for (int p = 0; p < P; ++p) {
         const float xdt = to_float(x[p]) * dt;
         state_t* s_row = S + std::int64_t{p} * N;
@@ -61,8 +62,9 @@ void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
           s[n] = decay * to_float(s_row[n]) + xdt * B[n];
           s_row[n] = from_float<state_t>(s[n]);
         }
-        acc[p] = dot(s, C, N);
+        dots.set(p, s, C, N);
       }
+      dots.reduce(acc);
       store_output(acc, x, z, a.D[h], P,
                    y_all + (std::int64_t{row.b} * d.heads + h) * P);
     }
@@ -126,7 +128,6 @@ void replay_group(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRo
 
   float* cum = scratch(3, count);
   float* acc = scratch(4, std::size_t(T) * P);
-  float* srow = scratch(5, N);
   const int heads_per_group = d.heads_per_key();
   for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; ++h) {
     if (fold_due) fold_head(l, a.layer, row.slot, h, fold_first, fold_count);
@@ -136,7 +137,8 @@ void replay_group(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRo
       cum[j] = total;
     }
     // acc[t][p] = τ_t·(S_c·C_t)[p]: one pass over the checkpoint's read copy for all T tokens.
-    checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), C, T, acc, srow);
+    checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), C, T, acc,
+                      scratch(5, std::size_t(T) * RowDots::kLanes * P));
     for (int t = 0; t < T; ++t) {
       const std::uint32_t last = w + static_cast<std::uint32_t>(t);
       float* acc_t = acc + std::size_t(t) * P;
