@@ -244,6 +244,45 @@ inline std::uint32_t unfolded(const StateCacheLayout& l, int layer, int slot) {
   return l.committed[slot] - l.folded[l.layer_slot(layer, slot)];
 }
 
+/// The skeleton of every replay decode: decide each row's fold (committed - folded >= L) and
+/// append its window (`append(row)`, serial: a copy per row), run `work(row, unit, fold_due)`
+/// over rows × `units` in parallel (a unit being a head or a key group), then move the layer's
+/// cursors: folded for rows that folded, pending = T for every row.
+template <typename Append, typename Work>
+void replay_rows(StateCacheLayout& l, int layer, int num_tokens, const std::int32_t* slot_ids,
+                 int batch, int units, Append&& append, Work&& work) {
+  const std::vector<ActiveRow> rows = active_rows(slot_ids, batch);
+  const int num_rows = static_cast<int>(rows.size());
+  const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
+  std::vector<char> fold_due(rows.size());
+  for (int i = 0; i < num_rows; ++i) {
+    fold_due[i] = unfolded(l, layer, rows[i].slot) >= L;
+    append(rows[i]);
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int i = 0; i < num_rows; ++i) {
+    for (int u = 0; u < units; ++u) work(rows[std::size_t(i)], u, fold_due[i] != 0);
+  }
+  for (int i = 0; i < num_rows; ++i) {
+    const int slot = rows[i].slot;
+    if (fold_due[i]) l.folded[l.layer_slot(layer, slot)] = l.committed[slot];
+    l.pending[slot] = static_cast<std::uint8_t>(num_tokens);
+  }
+}
+
+/// Runs `eager(TypeTag<input_t>, TypeTag<state_t>)` or `replay(TypeTag<input_t>)` for the
+/// cache's mode and dtypes: the one place a decode op turns runtime dtypes into templates.
+template <typename Eager, typename Replay>
+void dispatch_decode(const StateCacheLayout& l, Eager&& eager, Replay&& replay) {
+  dispatch_activation(l.config.input_dtype, [&](auto in_tag) {
+    if (l.config.mode == DecodeMode::kReplay) {
+      replay(in_tag);
+      return;
+    }
+    dispatch_activation(l.config.state_dtype, [&](auto state_tag) { eager(in_tag, state_tag); });
+  });
+}
+
 /// The fold of one head: replays `count` ring records from position `first` into the
 /// checkpoint of (layer, slot, head). Defined in fold.cpp for both layer kinds.
 void fold_head(const StateCacheLayout& l, int layer, int slot, int head, std::uint32_t first,

@@ -144,42 +144,23 @@ void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& r
   }
 }
 
-template <typename input_t>
-void replay_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
-  const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
-  const int num_rows = static_cast<int>(rows.size());
-  const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
-  std::vector<char> fold_due(rows.size());
-  for (int i = 0; i < num_rows; ++i) {
-    fold_due[i] = unfolded(l, a.layer, rows[i].slot) >= L;
-    append_window<input_t>(l, a, rows[i]);
-  }
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int i = 0; i < num_rows; ++i) {
-    for (int h = 0; h < l.dims.heads; ++h) {
-      replay_head<input_t>(l, a, rows[static_cast<std::size_t>(i)], h, fold_due[i] != 0);
-    }
-  }
-  for (int i = 0; i < num_rows; ++i) {
-    const int slot = rows[i].slot;
-    if (fold_due[i]) l.folded[l.layer_slot(a.layer, slot)] = l.committed[slot];
-    l.pending[slot] = static_cast<std::uint8_t>(a.num_tokens);
-  }
-}
-
 }  // namespace
 
 void gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
-  dispatch_activation(l.config.input_dtype, [&](auto in_tag) {
-    using input_t = typename decltype(in_tag)::type;
-    if (l.config.mode == DecodeMode::kReplay) {
-      replay_decode<input_t>(l, args);
-      return;
-    }
-    dispatch_activation(l.config.state_dtype, [&](auto state_tag) {
-      eager_decode<input_t, typename decltype(state_tag)::type>(l, args);
-    });
-  });
+  dispatch_decode(
+      l,
+      [&](auto in_tag, auto state_tag) {
+        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type>(l, args);
+      },
+      [&](auto in_tag) {
+        using input_t = typename decltype(in_tag)::type;
+        replay_rows(
+            l, args.layer, args.num_tokens, args.slot_ids, args.batch, l.dims.heads,
+            [&](const ActiveRow& row) { append_window<input_t>(l, args, row); },
+            [&](const ActiveRow& row, int unit, bool fold_due) {
+              replay_head<input_t>(l, args, row, unit, fold_due);
+            });
+      });
 }
 
 }  // namespace replayssm::cpu
