@@ -4,9 +4,10 @@
 /// replay at a real layer shape, measured side by side in one run, against the bytes model
 /// (bytes_model.h) and the machine's measured copy bandwidth.
 ///
-/// Backends: run_cpu_bench (cpu_bench.cpp) and run_cuda_bench (cuda_bench.cu, written by the
-/// CUDA side; a build without it gets a clear kUnsupported from cuda_bench_unavailable.cpp).
-/// Both fill the same BenchReport, which bench_print and bench_write_json render.
+/// Backends: run_cpu_bench (cpu_bench.cpp) and run_cuda_bench (cuda_bench.cu, which hands GDN
+/// shapes to cuda_bench_gdn.cu; a build without CUDA gets a clear kUnsupported from
+/// cuda_bench_unavailable.cpp). Both fill the same BenchReport, which bench_print and
+/// bench_write_json render (bench/plot.py draws the JSON).
 
 #include <cstdint>
 #include <cstdio>
@@ -74,6 +75,31 @@ struct BenchResult {
   double speedup = 1.0;      ///< eager time / this time, same shape and batch, same run
 };
 
+/// One shape × batch × checkpoint of the speculative comparison (`bench --spec-tokens T`;
+/// BENCHMARKS.md target: a T = 4 verify >= 3x faster per step than an eager spec step). CUDA.
+struct SpecBenchResult {
+  std::string shape;
+  int batch = 0;
+  int window = 0;    ///< T
+  int accepted = 0;  ///< tokens committed per step (k)
+  int buffer_len = 0;
+  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
+  /// The eager spec step as measured, µs per step (median):
+  ///   fused (Mamba-2): one kernel reads the state once and writes one state per window
+  ///     position, T + 1 state transfers (vLLM's scheme; a bench-only kernel);
+  ///   sequential (GDN): T eager decodes of the library, each reading and writing the state,
+  ///     2T transfers; eager_fused_us estimates the fused scheme as eager_us · (T + 1) / 2T.
+  bool eager_fused = true;
+  double eager_us = 0.0;
+  double eager_fused_us = 0.0;  ///< = eager_us when eager_fused
+  double eager_bytes = 0.0;     ///< bytes the measured eager step moves (bytes model)
+  /// Replay: one decode verifying the window + a commit of k, over whole fold cycles.
+  double replay_us = 0.0;
+  double replay_bytes = 0.0;
+  double speedup = 0.0;        ///< eager_us / replay_us
+  double speedup_fused = 0.0;  ///< eager_fused_us / replay_us
+};
+
 struct BenchReport {
   std::string device;      ///< "cpu (2 threads)", a GPU's name, ...
   double copy_gbps = 0.0;  ///< measured copy bandwidth, (read + write) bytes / s / 1e9
@@ -82,6 +108,7 @@ struct BenchReport {
   /// for a state update.
   double update_gbps = 0.0;
   std::vector<BenchResult> results;
+  std::vector<SpecBenchResult> spec;  ///< the speculative comparison, when one was run
   /// What pct_of_copy is measured against: the larger of the two bandwidths.
   [[nodiscard]] double peak_gbps() const {
     return copy_gbps > update_gbps ? copy_gbps : update_gbps;
@@ -89,12 +116,18 @@ struct BenchReport {
 };
 
 Status run_cpu_bench(const BenchOptions& options, BenchReport* report);
-/// Implemented in bench/cuda_bench.cu by the CUDA backend.
+/// Implemented in bench/cuda_bench.cu by the CUDA backend; both layer families (GDN shapes
+/// through bench/cuda_bench_gdn.cu).
 Status run_cuda_bench(const BenchOptions& options, BenchReport* report);
+/// The speculative comparison on CUDA: per shape × batch of options, the eager spec step
+/// (SpecBenchResult) against a replay verify of `window` tokens committing `accepted` (0: all),
+/// in each of options.checkpoints, aligned flushes. Fills report->device, copy_gbps and spec.
+Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted,
+                           BenchReport* report);
 
 /// Fills model_bytes, gbps, pct_of_copy and speedup of every result from its timing.
 void bench_finish(BenchReport* report, const BenchOptions& options);
-/// A table, one line per case.
+/// A table, one line per case (then the speculative comparison's, when there is one).
 void bench_print(const BenchReport& report, std::FILE* out);
 Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                         const std::string& path);

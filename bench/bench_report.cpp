@@ -39,6 +39,46 @@ std::string mode_label(const BenchResult& r) {
   return std::string("replay ") + checkpoint_precision_name(r.checkpoint);
 }
 
+// The protocol's cases, one line each.
+void protocol_print(const BenchReport& report, std::FILE* out) {
+  std::fprintf(out, "%-12s %6s %-18s %3s %-9s %11s %9s %8s %7s %8s\n", "shape", "batch", "mode",
+               "L", "flush", "us/step", "MB/step", "GB/s", "%copy", "speedup");
+  for (const BenchResult& r : report.results) {
+    std::fprintf(out, "%-12s %6d %-18s %3d %-9s %11.1f %9.1f %8.1f %6.0f%% %7.2fx\n",
+                 r.shape.c_str(), r.batch, mode_label(r).c_str(), r.buffer_len,
+                 flush_pattern_name(r.flush), r.us_per_step, r.model_bytes / 1e6, r.gbps,
+                 r.pct_of_copy, r.speedup);
+  }
+}
+
+// The speculative comparison: eager spec against replay verify, per shape × batch × checkpoint.
+void spec_print(const BenchReport& report, std::FILE* out) {
+  const double peak = report.peak_gbps();
+  auto pct = [peak](double bytes, double us) {
+    return peak > 0.0 && us > 0.0 ? 100.0 * bytes / (us * 1e3) / peak : 0.0;
+  };
+  std::fprintf(out, "spec verify vs eager spec (%%copy against %.1f GB/s)\n", peak);
+  std::fprintf(out, "%-12s %6s %2s %2s %3s %-10s %-10s %11s %6s %11s %6s %8s %11s\n", "shape",
+               "batch", "T", "k", "L", "checkpoint", "eager", "eager us", "%copy", "replay us",
+               "%copy", "speedup", "vs fused");
+  bool sequential = false;
+  for (const SpecBenchResult& r : report.spec) {
+    sequential = sequential || !r.eager_fused;
+    std::fprintf(out,
+                 "%-12s %6d %2d %2d %3d %-10s %-10s %11.1f %5.0f%% %11.1f %5.0f%% %7.2fx "
+                 "%10.2fx\n",
+                 r.shape.c_str(), r.batch, r.window, r.accepted, r.buffer_len,
+                 checkpoint_precision_name(r.checkpoint), r.eager_fused ? "fused" : "sequential",
+                 r.eager_us, pct(r.eager_bytes, r.eager_us), r.replay_us,
+                 pct(r.replay_bytes, r.replay_us), r.speedup, r.speedup_fused);
+  }
+  std::fprintf(out,
+               "eager fused: read the state once, write one state per draft (T + 1 transfers)%s\n",
+               sequential ? "; sequential: T eager decodes (2T transfers), 'vs fused' against "
+                            "the fused scheme's estimate eager·(T + 1)/2T"
+                          : "");
+}
+
 }  // namespace
 
 void bench_finish(BenchReport* report, const BenchOptions& options) {
@@ -71,14 +111,8 @@ void bench_print(const BenchReport& report, std::FILE* out) {
     std::fprintf(out, ", in-place update %.1f GB/s", report.update_gbps);
   }
   std::fprintf(out, " (read + write bytes; %%copy is against %.1f GB/s)\n", report.peak_gbps());
-  std::fprintf(out, "%-12s %6s %-18s %3s %-9s %11s %9s %8s %7s %8s\n", "shape", "batch", "mode",
-               "L", "flush", "us/step", "MB/step", "GB/s", "%copy", "speedup");
-  for (const BenchResult& r : report.results) {
-    std::fprintf(out, "%-12s %6d %-18s %3d %-9s %11.1f %9.1f %8.1f %6.0f%% %7.2fx\n",
-                 r.shape.c_str(), r.batch, mode_label(r).c_str(), r.buffer_len,
-                 flush_pattern_name(r.flush), r.us_per_step, r.model_bytes / 1e6, r.gbps,
-                 r.pct_of_copy, r.speedup);
-  }
+  if (!report.results.empty()) protocol_print(report, out);
+  if (!report.spec.empty()) spec_print(report, out);
 }
 
 Status bench_write_json(const BenchReport& report, const BenchOptions& options,
@@ -102,7 +136,24 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                      {"pct_of_copy_bandwidth", r.pct_of_copy},
                      {"speedup_vs_eager", r.speedup}});
   }
-  const json doc = {{"device", report.device},
+  json spec_cases = json::array();
+  for (const SpecBenchResult& r : report.spec) {
+    spec_cases.push_back({{"shape", r.shape},
+                          {"batch", r.batch},
+                          {"window", r.window},
+                          {"accepted", r.accepted},
+                          {"buffer_len", r.buffer_len},
+                          {"checkpoint", checkpoint_precision_name(r.checkpoint)},
+                          {"eager_spec_scheme", r.eager_fused ? "fused" : "sequential"},
+                          {"eager_spec_us", r.eager_us},
+                          {"eager_spec_fused_us", r.eager_fused_us},
+                          {"eager_spec_bytes", r.eager_bytes},
+                          {"replay_us", r.replay_us},
+                          {"replay_bytes", r.replay_bytes},
+                          {"speedup", r.speedup},
+                          {"speedup_vs_fused", r.speedup_fused}});
+  }
+  json doc = {{"device", report.device},
                     {"copy_gbps", report.copy_gbps},
                     {"update_gbps", report.update_gbps},
                     {"peak_gbps", report.peak_gbps()},
@@ -111,6 +162,7 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                     {"repetitions", options.repetitions},
                     {"version", REPLAYSSM_VERSION},
                     {"cases", cases}};
+  if (!spec_cases.empty()) doc["spec_cases"] = spec_cases;
   std::string text;
   try {
     text = doc.dump(2);

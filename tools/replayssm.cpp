@@ -165,6 +165,8 @@ struct BenchArgs {
   std::string eager_state = "f32";
   int repetitions = 5;
   double min_state_mb = 0.0;
+  int spec_tokens = 1;
+  int spec_accepted = 0;
   std::string json_path;
 };
 
@@ -205,10 +207,31 @@ void add_bench(CLI::App& app, BenchArgs& a) {
                    "State touched per cycle, rotated over slots (0: 4 x last-level cache)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  bench->add_option("--json", a.json_path, "Also write the results as JSON");
+  bench
+      ->add_option("--spec-tokens,-T", a.spec_tokens,
+                   "Verify window: 1 = the protocol's plain decoding; T > 1 = replay verifying "
+                   "T tokens against eager speculative decoding, which writes a state per draft "
+                   "(Mamba-2: one fused kernel; GDN: T eager decodes). cuda only")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  bench
+      ->add_option("--spec-accepted", a.spec_accepted,
+                   "With T > 1: tokens committed per verify step (0 = all T)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  bench->add_option("--json", a.json_path,
+                    "Also write the results as JSON (bench/plot.py draws it)");
 }
 
 int do_bench(const BenchArgs& a) {
+  const bool spec = a.spec_tokens > 1;
+  if (spec && a.device != "cuda") {
+    return fail("--spec-tokens > 1 needs --device cuda (the CPU benchmark has no speculative "
+                "comparison)");
+  }
+  if (a.spec_accepted > a.spec_tokens) {
+    return fail("--spec-accepted must be at most --spec-tokens");
+  }
   if (!a.json_path.empty()) {
     if (Status s = check_writable(a.json_path); !s.is_ok()) return fail(s);
   }
@@ -235,8 +258,12 @@ int do_bench(const BenchArgs& a) {
     progress.update(fraction, what);
   };
   BenchReport report;
-  const Status s =
-      o.device == Device::kCpu ? run_cpu_bench(o, &report) : run_cuda_bench(o, &report);
+  Status s;
+  if (spec) {
+    s = run_cuda_spec_bench(o, a.spec_tokens, a.spec_accepted, &report);
+  } else {
+    s = o.device == Device::kCpu ? run_cpu_bench(o, &report) : run_cuda_bench(o, &report);
+  }
   progress.clear();
   if (!s.is_ok()) return fail(s);
   bench_print(report, stdout);

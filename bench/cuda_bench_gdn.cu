@@ -1,0 +1,596 @@
+// The Gated DeltaNet part of the CUDA benchmark (cuda_bench_gdn.h): eager against replay decode
+// of one layer at the real shapes, and speculative verify against eager spec, on the GPU.
+//
+// Built with -DREPLAYSSM_GDN_BENCH_MAIN it is also a stand-alone program (scripts/device_gdn.sh)
+// that prints the issue-4 tables and writes them as JSON into the directory given as argv[1].
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bytes_model.h"
+#include "cuda/common/stream.h"
+#include "cuda_bench_gdn.h"
+#include "engine/activations.h"
+#include "replayssm/ops.h"
+#include "replayssm/state_cache.h"
+
+namespace replayssm {
+
+namespace {
+
+#define GDN_BENCH_CUDA(expr)                                                               \
+  do {                                                                                     \
+    const cudaError_t e_ = (expr);                                                         \
+    if (e_ != cudaSuccess) {                                                               \
+      return Status(StatusCode::kCudaError, std::string(#expr) + ": " + cudaGetErrorString(e_)); \
+    }                                                                                      \
+  } while (0)
+
+/// Device memory owned by the benchmark.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+  }
+  Status upload(const void* host, std::size_t bytes) {
+    if (ptr_ == nullptr) GDN_BENCH_CUDA(cudaMalloc(&ptr_, bytes == 0 ? 16 : bytes));
+    GDN_BENCH_CUDA(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+    return Status::ok();
+  }
+  template <typename T>
+  Status upload(const std::vector<T>& v) {
+    return upload(v.data(), v.size() * sizeof(T));
+  }
+  Status alloc(std::size_t bytes) {
+    GDN_BENCH_CUDA(cudaMalloc(&ptr_, bytes));
+    GDN_BENCH_CUDA(cudaMemset(ptr_, 0, bytes));
+    return Status::ok();
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+/// splitmix64 with Box–Muller: fast enough for the hundreds of MB of inputs a batch of 1024
+/// needs, and seeded.
+class FastRng {
+ public:
+  explicit FastRng(std::uint64_t seed) : s_(seed) {}
+  double uniform() { return double(next() >> 11) * 0x1.0p-53; }
+  double normal() {
+    const double u = std::max(uniform(), 1e-300), v = uniform();
+    return std::sqrt(-2.0 * std::log(u)) * std::cos(6.283185307179586 * v);
+  }
+
+ private:
+  std::uint64_t next() {
+    std::uint64_t z = (s_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  std::uint64_t s_;
+};
+
+// Input sets cycled through the steps of a cycle (not one repeated token).
+constexpr int kInputSets = 4;
+// BENCHMARKS.md: the median of >= 7 repetitions (as cuda_bench.cu's Mamba-2 cases).
+constexpr int kMinRepetitions = 7;
+
+struct DeviceInputs {
+  DeviceBuffer q, k, v, g, beta;
+};
+
+/// The realistic GDN statistics of engine/synthetic_trace.h: q, k, v ~ N(0, 1);
+/// g = −a·softplus(u + dt_bias), a ~ U[1, 16] per head, u ~ N(0, 1), dt_bias = log(e^Δ0 − 1)
+/// with Δ0 log-uniform in [1e-3, 0.1]; β = sigmoid(N(0, 1)).
+Status make_inputs(const GdnShape& s, int batch, int T, DType act, std::uint64_t seed,
+                   DeviceInputs* out) {
+  FastRng rng(seed);
+  const std::size_t qk = std::size_t(batch) * T * s.num_k_heads * s.head_k_dim;
+  const std::size_t vv = std::size_t(batch) * T * s.num_v_heads * s.head_v_dim;
+  const std::size_t hh = std::size_t(batch) * T * s.num_v_heads;
+  std::vector<float> q(qk), k(qk), v(vv), g(hh), beta(hh), a(s.num_v_heads), bias(s.num_v_heads);
+  for (float& x : q) x = float(rng.normal());
+  for (float& x : k) x = float(rng.normal());
+  for (float& x : v) x = float(rng.normal());
+  for (int h = 0; h < s.num_v_heads; ++h) {
+    a[h] = float(1.0 + 15.0 * rng.uniform());
+    const double d0 = std::exp(std::log(1e-3) + (std::log(0.1) - std::log(1e-3)) * rng.uniform());
+    bias[h] = float(std::log(std::expm1(d0)));
+  }
+  for (std::size_t i = 0; i < hh; ++i) {
+    const int h = int(i % std::size_t(s.num_v_heads));
+    const double u = rng.normal() + bias[h];
+    const double sp = u > 20.0 ? u : std::log1p(std::exp(u));
+    g[i] = float(-a[h] * sp);
+    beta[i] = float(1.0 / (1.0 + std::exp(-rng.normal())));
+  }
+  REPLAYSSM_RETURN_IF_ERROR(out->q.upload(activations_pack(act, q)));
+  REPLAYSSM_RETURN_IF_ERROR(out->k.upload(activations_pack(act, k)));
+  REPLAYSSM_RETURN_IF_ERROR(out->v.upload(activations_pack(act, v)));
+  REPLAYSSM_RETURN_IF_ERROR(out->g.upload(g));
+  REPLAYSSM_RETURN_IF_ERROR(out->beta.upload(beta));
+  return Status::ok();
+}
+
+struct CaseConfig {
+  GdnShape shape;
+  int batch = 1;
+  int groups = 1;     ///< slot groups rotated step by step
+  int layers = 1;
+  int window = 1;     ///< T: replay verifies T tokens per decode; eager runs T decodes per step
+  int accepted = 1;   ///< replay: tokens committed per step
+  int buffer_len = 16;
+  int cycle_steps = 16;
+  DecodeMode mode = DecodeMode::kReplay;
+  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
+  DType state_dtype = DType::kF32;
+  DType input_dtype = DType::kBF16;
+  bool stagger = false;
+};
+
+/// One case: a cache, its slot groups, inputs, and the cycle of steps the graph replays.
+class CaseRunner {
+ public:
+  explicit CaseRunner(const CaseConfig& c) : c_(c) {}
+
+  Status init() {
+    StateCacheConfig config;
+    config.kind = LayerKind::kGdn;
+    config.gdn = c_.shape;
+    config.num_layers = c_.layers;
+    config.capacity = c_.batch * c_.groups;
+    config.device = Device::kCuda;
+    config.mode = c_.mode;
+    config.input_dtype = c_.input_dtype;
+    config.state_dtype = c_.state_dtype;
+    config.buffer_len = c_.buffer_len;
+    config.max_spec_tokens = c_.mode == DecodeMode::kReplay ? c_.window : 1;
+    config.checkpoint = c_.checkpoint;
+    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_));
+    for (int g = 0; g < c_.groups; ++g) {
+      std::vector<std::int32_t> ids;
+      for (int b = 0; b < c_.batch; ++b) {
+        int slot = -1;
+        REPLAYSSM_RETURN_IF_ERROR(state_cache_allocate_slot(*cache_, &slot));
+        ids.push_back(slot);
+      }
+      host_groups_.push_back(ids);
+      groups_.emplace_back();
+      REPLAYSSM_RETURN_IF_ERROR(groups_.back().upload(ids));
+    }
+    REPLAYSSM_RETURN_IF_ERROR(
+        accepted_.upload(std::vector<std::int32_t>(std::size_t(c_.batch), c_.accepted)));
+    const int T = decode_tokens();
+    for (int i = 0; i < kInputSets; ++i) {
+      inputs_.emplace_back();
+      REPLAYSSM_RETURN_IF_ERROR(
+          make_inputs(c_.shape, c_.batch, T, c_.input_dtype, 4242 + i, &inputs_.back()));
+    }
+    const std::size_t out_bytes = std::size_t(c_.batch) * T * c_.shape.num_v_heads *
+                                  c_.shape.head_v_dim * dtype_size(c_.input_dtype);
+    return out_.alloc(out_bytes);
+  }
+
+  /// Staggered flushes: row b is pre-advanced by b mod L tokens (the others padded), so that
+  /// afterwards 1/L of the rows fold on each step.
+  Status stagger() {
+    const int L = c_.buffer_len;
+    for (int j = 0; j + 1 < L; ++j) {
+      for (const auto& ids : host_groups_) {
+        std::vector<std::int32_t> masked = ids;
+        for (int b = 0; b < c_.batch; ++b) {
+          if (b % L <= j) masked[std::size_t(b)] = -1;
+        }
+        DeviceBuffer d;
+        REPLAYSSM_RETURN_IF_ERROR(d.upload(masked));
+        REPLAYSSM_RETURN_IF_ERROR(step(d.get<std::int32_t>(), j % kInputSets));
+        GDN_BENCH_CUDA(cudaStreamSynchronize(cuda::launch_stream()));
+      }
+    }
+    return Status::ok();
+  }
+
+  /// One cycle: cycle_steps steps of every slot group, groups interleaved step by step.
+  Status cycle() {
+    for (int s = 0; s < c_.cycle_steps; ++s) {
+      for (const DeviceBuffer& ids : groups_) {
+        REPLAYSSM_RETURN_IF_ERROR(step(ids.get<std::int32_t>(), s % kInputSets));
+      }
+    }
+    return Status::ok();
+  }
+
+  /// Layer steps per cycle (the unit of the reported time).
+  [[nodiscard]] double layer_steps() const {
+    return double(c_.cycle_steps) * c_.groups * c_.layers;
+  }
+
+ private:
+  [[nodiscard]] int decode_tokens() const {
+    return c_.mode == DecodeMode::kReplay ? c_.window : 1;
+  }
+
+  // One step of one slot group: every layer's decode, then the commit (replay). Eager spec runs
+  // `window` sequential eager decodes per layer instead.
+  Status step(const std::int32_t* ids, int input_set) {
+    const int decodes = c_.mode == DecodeMode::kEager ? c_.window : 1;
+    for (int layer = 0; layer < c_.layers; ++layer) {
+      for (int d = 0; d < decodes; ++d) {
+        const DeviceInputs& in = inputs_[std::size_t((input_set + d) % kInputSets)];
+        GdnDecodeArgs a;
+        a.layer = layer;
+        a.batch = c_.batch;
+        a.num_tokens = decode_tokens();
+        a.slot_ids = ids;
+        a.q = in.q.get();
+        a.k = in.k.get();
+        a.v = in.v.get();
+        a.g = in.g.get<float>();
+        a.beta = in.beta.get<float>();
+        a.o = out_.get();
+        REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
+      }
+    }
+    if (c_.mode == DecodeMode::kEager) return Status::ok();
+    CommitArgs commit;
+    commit.batch = c_.batch;
+    commit.slot_ids = ids;
+    commit.accepted = accepted_.get<std::int32_t>();
+    return state_cache_commit(*cache_, commit);
+  }
+
+  CaseConfig c_;
+  std::unique_ptr<StateCache> cache_;
+  std::vector<std::vector<std::int32_t>> host_groups_;
+  std::vector<DeviceBuffer> groups_;
+  DeviceBuffer accepted_, out_;
+  std::vector<DeviceInputs> inputs_;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Runs a case: warm-up cycles on the stream, then one cycle captured into a graph and replayed
+/// `repetitions` times between events. Fills µs per layer step (median, min).
+Status time_case(const CaseConfig& c, const BenchOptions& options, double* us_median,
+                 double* us_min) {
+  cudaStream_t stream = nullptr;
+  GDN_BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { (void)cudaStreamDestroy(s); }
+  } stream_guard{stream};
+  cuda::ScopedLaunchStream on(stream);
+
+  CaseRunner runner(c);
+  REPLAYSSM_RETURN_IF_ERROR(runner.init());
+  if (c.stagger) REPLAYSSM_RETURN_IF_ERROR(runner.stagger());
+  for (int w = 0; w < std::max(1, options.warmup_cycles); ++w) {
+    REPLAYSSM_RETURN_IF_ERROR(runner.cycle());
+  }
+  GDN_BENCH_CUDA(cudaStreamSynchronize(stream));
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  GDN_BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = runner.cycle();
+  GDN_BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  REPLAYSSM_RETURN_IF_ERROR(captured);
+  GDN_BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  struct GraphGuard {
+    cudaGraph_t g;
+    cudaGraphExec_t e;
+    ~GraphGuard() {
+      (void)cudaGraphExecDestroy(e);
+      (void)cudaGraphDestroy(g);
+    }
+  } graph_guard{graph, exec};
+
+  cudaEvent_t start, stop;
+  GDN_BENCH_CUDA(cudaEventCreate(&start));
+  GDN_BENCH_CUDA(cudaEventCreate(&stop));
+  GDN_BENCH_CUDA(cudaGraphLaunch(exec, stream));  // warm the graph
+  std::vector<double> us;
+  for (int rep = 0; rep < std::max(kMinRepetitions, options.repetitions); ++rep) {
+    GDN_BENCH_CUDA(cudaEventRecord(start, stream));
+    GDN_BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    GDN_BENCH_CUDA(cudaEventRecord(stop, stream));
+    GDN_BENCH_CUDA(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    GDN_BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    us.push_back(double(ms) * 1e3 / runner.layer_steps());
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  GDN_BENCH_CUDA(cudaGetLastError());
+  *us_median = median(us);
+  *us_min = *std::min_element(us.begin(), us.end());
+  return Status::ok();
+}
+
+/// Slot groups so that one cycle step streams at least min_state_bytes of state (4 × L2 by
+/// default): the checkpoint must come from HBM, not from the cache.
+int slot_groups(const GdnShape& s, int batch, std::size_t bytes_per_elem,
+                const BenchOptions& options) {
+  std::int64_t min_bytes = options.min_state_bytes;
+  if (min_bytes <= 0) {
+    int device = 0, l2 = 0;
+    (void)cudaGetDevice(&device);
+    (void)cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
+    min_bytes = 4 * std::int64_t(l2 > 0 ? l2 : 50 << 20);
+  }
+  const std::int64_t group =
+      state_dims(s).state_elems() * batch * static_cast<std::int64_t>(bytes_per_elem);
+  return int(std::max<std::int64_t>(1, (min_bytes + group - 1) / group));
+}
+
+std::size_t read_copy_bytes(DecodeMode mode, DType state, CheckpointPrecision p) {
+  if (mode == DecodeMode::kEager) return dtype_size(state);
+  switch (p) {
+    case CheckpointPrecision::kFp32: return 4;
+    case CheckpointPrecision::kFp32Fp8: return 1;
+    default: return 2;
+  }
+}
+
+__global__ void read_kernel(const float4* src, std::size_t n, float* sink) {
+  float acc = 0.0f;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const float4 v = __ldcs(src + i);
+    acc += v.x + v.y + v.z + v.w;
+  }
+  if (acc == 1.2345f) sink[0] = acc;  // keeps the loads; never true on the zeroed buffer
+}
+
+}  // namespace
+
+Status cuda_bench_bandwidth(double* copy_gbps, double* read_gbps) {
+  constexpr std::size_t kBytes = std::size_t{2} << 30;
+  DeviceBuffer a, b, sink;
+  REPLAYSSM_RETURN_IF_ERROR(a.alloc(kBytes));
+  REPLAYSSM_RETURN_IF_ERROR(b.alloc(kBytes));
+  REPLAYSSM_RETURN_IF_ERROR(sink.alloc(64));
+  cudaEvent_t start, stop;
+  GDN_BENCH_CUDA(cudaEventCreate(&start));
+  GDN_BENCH_CUDA(cudaEventCreate(&stop));
+  int device = 0, sms = 0;
+  GDN_BENCH_CUDA(cudaGetDevice(&device));
+  GDN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  double best_copy = 0.0, best_read = 0.0;
+  for (int rep = 0; rep < 6; ++rep) {
+    float ms = 0.0f;
+    GDN_BENCH_CUDA(cudaEventRecord(start));
+    GDN_BENCH_CUDA(cudaMemcpyAsync(b.get(), a.get(), kBytes, cudaMemcpyDeviceToDevice));
+    GDN_BENCH_CUDA(cudaEventRecord(stop));
+    GDN_BENCH_CUDA(cudaEventSynchronize(stop));
+    GDN_BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (rep > 0) best_copy = std::max(best_copy, 2.0 * double(kBytes) / (ms * 1e-3) / 1e9);
+    GDN_BENCH_CUDA(cudaEventRecord(start));
+    read_kernel<<<sms * 8, 256>>>(a.get<const float4>(), kBytes / 16, sink.get<float>());
+    GDN_BENCH_CUDA(cudaEventRecord(stop));
+    GDN_BENCH_CUDA(cudaEventSynchronize(stop));
+    GDN_BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (rep > 0) best_read = std::max(best_read, double(kBytes) / (ms * 1e-3) / 1e9);
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  *copy_gbps = best_copy;
+  *read_gbps = best_read;
+  return Status::ok();
+}
+
+Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
+                          BenchReport* report, int layers) {
+  if (shape.kind != LayerKind::kGdn) return invalid_argument("run_cuda_bench_gdn: not a GDN shape");
+  const double cases = double(options.batches.size() * (1 + options.checkpoints.size()));
+  int done = 0;
+  for (int batch : options.batches) {
+    const auto run = [&](DecodeMode mode, CheckpointPrecision p) -> Status {
+      CaseConfig c;
+      c.shape = shape.gdn;
+      c.batch = batch;
+      c.layers = layers;
+      c.buffer_len = options.buffer_len;
+      c.cycle_steps = options.buffer_len;
+      c.mode = mode;
+      c.checkpoint = p;
+      c.state_dtype = options.eager_state_dtype;
+      c.input_dtype = options.input_dtype;
+      c.stagger = mode == DecodeMode::kReplay && options.flush == FlushPattern::kStaggered;
+      c.groups = slot_groups(shape.gdn, batch, read_copy_bytes(mode, c.state_dtype, p), options);
+      if (options.progress) {
+        const std::string what = mode == DecodeMode::kEager
+                                     ? std::string("eager")
+                                     : std::string("replay ") + checkpoint_precision_name(p);
+        options.progress(double(done++) / cases,
+                         std::string(shape.name) + " batch " + std::to_string(batch) + " " + what);
+      }
+      BenchResult r;
+      REPLAYSSM_RETURN_IF_ERROR(time_case(c, options, &r.us_per_step, &r.us_min));
+      r.shape = shape.name;
+      r.batch = batch;
+      r.mode = mode;
+      r.checkpoint = p;
+      r.buffer_len = options.buffer_len;
+      r.flush = options.flush;
+      r.slot_groups = c.groups;
+      report->results.push_back(r);
+      return Status::ok();
+    };
+    REPLAYSSM_RETURN_IF_ERROR(run(DecodeMode::kEager, CheckpointPrecision::kFp32));
+    for (CheckpointPrecision p : options.checkpoints) {
+      REPLAYSSM_RETURN_IF_ERROR(run(DecodeMode::kReplay, p));
+    }
+  }
+  return Status::ok();
+}
+
+Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, int accepted,
+                               const BenchOptions& options, std::vector<GdnSpecResult>* out) {
+  if (shape.kind != LayerKind::kGdn) {
+    return invalid_argument("run_cuda_bench_gdn_spec: not a GDN shape");
+  }
+  CaseConfig eager;
+  eager.shape = shape.gdn;
+  eager.batch = batch;
+  eager.window = window;
+  eager.buffer_len = options.buffer_len;
+  eager.cycle_steps = options.buffer_len;
+  eager.mode = DecodeMode::kEager;
+  eager.state_dtype = options.eager_state_dtype;
+  eager.input_dtype = options.input_dtype;
+  eager.groups = slot_groups(shape.gdn, batch, dtype_size(eager.state_dtype), options);
+  double eager_us = 0.0, eager_min = 0.0;
+  REPLAYSSM_RETURN_IF_ERROR(time_case(eager, options, &eager_us, &eager_min));
+  for (CheckpointPrecision p : options.checkpoints) {
+    CaseConfig c = eager;
+    c.mode = DecodeMode::kReplay;
+    c.checkpoint = p;
+    c.accepted = accepted;
+    // Whole fold cycles: with k tokens committed per step a fold falls due every ceil(L/k)
+    // steps; three of them.
+    c.cycle_steps = 3 * ((options.buffer_len + accepted - 1) / std::max(1, accepted));
+    c.groups = slot_groups(shape.gdn, batch, read_copy_bytes(c.mode, c.state_dtype, p), options);
+    GdnSpecResult r;
+    double us_min = 0.0;
+    REPLAYSSM_RETURN_IF_ERROR(time_case(c, options, &r.replay_us, &us_min));
+    r.shape = shape.name;
+    r.batch = batch;
+    r.window = window;
+    r.accepted = accepted;
+    r.buffer_len = options.buffer_len;
+    r.checkpoint = p;
+    r.eager_us = eager_us;
+    r.eager_fused_us = eager_us * double(window + 1) / double(2 * window);
+    r.speedup = eager_us / r.replay_us;
+    r.speedup_fused = r.eager_fused_us / r.replay_us;
+    out->push_back(r);
+  }
+  return Status::ok();
+}
+
+}  // namespace replayssm
+
+#if defined(REPLAYSSM_GDN_BENCH_MAIN)
+
+// Stand-alone issue-4 benchmark: the headline tables for qwen35-4b and qwen35-122b, batch and
+// L sweeps, and speculative verify. Usage: cuda_bench_gdn OUT_DIR [--quick]
+int main(int argc, char** argv) {
+  using namespace replayssm;
+  const std::string dir = argc > 1 ? argv[1] : ".";
+  const bool quick = argc > 2 && std::string(argv[2]) == "--quick";
+  auto check = [](const Status& st) {
+    if (!st.is_ok()) {
+      std::fprintf(stderr, "error: %s\n", st.to_string().c_str());
+      std::exit(1);
+    }
+  };
+  cudaDeviceProp prop{};
+  (void)cudaGetDeviceProperties(&prop, 0);
+  double copy = 0.0, read = 0.0;
+  check(cuda_bench_bandwidth(&copy, &read));
+  std::printf("device %s: copy %.1f GB/s (read+write), read %.1f GB/s\n", prop.name, copy, read);
+
+  const auto report_run = [&](const char* name, BenchOptions o,
+                              const std::vector<std::string>& shapes, int layers) {
+    BenchReport report;
+    report.device = prop.name;
+    report.copy_gbps = copy;
+    for (const std::string& s : shapes) check(run_cuda_bench_gdn(*bench_shape_find(s), o, &report, layers));
+    bench_finish(&report, o);
+    std::printf("\n== %s (layers per commit: %d)\n", name, layers);
+    bench_print(report, stdout);
+    std::fflush(stdout);
+    check(bench_write_json(report, o, dir + "/gdn_" + name + ".json"));
+  };
+
+  BenchOptions o;
+  o.device = Device::kCuda;
+  o.batches = {256};
+  o.buffer_len = 16;
+  o.repetitions = 9;
+  o.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16,
+                   CheckpointPrecision::kFp32Fp8, CheckpointPrecision::kBf16};
+  const std::vector<std::string> both = {"qwen35-4b", "qwen35-122b"};
+  report_run("headline_aligned", o, both, 1);
+  BenchOptions s = o;
+  s.flush = FlushPattern::kStaggered;
+  report_run("headline_staggered", s, both, 1);
+  BenchOptions four = o;
+  four.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16,
+                      CheckpointPrecision::kBf16};
+  report_run("layers4", four, {"qwen35-4b"}, 4);
+  BenchOptions b16 = o;
+  b16.eager_state_dtype = DType::kBF16;
+  b16.checkpoints = {CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16};
+  report_run("bf16_state", b16, {"qwen35-4b"}, 1);
+  if (!quick) {
+    BenchOptions sweep = o;
+    sweep.batches = {1, 64, 1024};
+    sweep.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16};
+    report_run("batch_sweep", sweep, {"qwen35-4b"}, 1);
+    for (int L : {8, 32}) {
+      BenchOptions l = o;
+      l.buffer_len = L;
+      l.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16};
+      report_run(("L" + std::to_string(L)).c_str(), l, {"qwen35-4b"}, 1);
+    }
+  }
+
+  // Speculative verify, T = 4.
+  std::vector<GdnSpecResult> spec;
+  BenchOptions so = o;
+  so.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16};
+  for (const std::string& name : both) {
+    for (int k : {4, 2}) check(run_cuda_bench_gdn_spec(*bench_shape_find(name), 256, 4, k, so, &spec));
+  }
+  std::printf("\n== spec verify, T = 4, batch 256, L = 16 (us per verify step of one layer)\n");
+  std::printf("%-12s %-10s %3s %10s %10s %12s %8s %10s\n", "shape", "ckpt", "k", "replay",
+              "eager T", "eager fused", "speedup", "vs fused");
+  FILE* f = std::fopen((dir + "/gdn_spec.json").c_str(), "w");
+  if (f != nullptr) std::fprintf(f, "[\n");
+  for (std::size_t i = 0; i < spec.size(); ++i) {
+    const GdnSpecResult& r = spec[i];
+    std::printf("%-12s %-10s %3d %10.1f %10.1f %12.1f %7.2fx %9.2fx\n", r.shape.c_str(),
+                checkpoint_precision_name(r.checkpoint), r.accepted, r.replay_us, r.eager_us,
+                r.eager_fused_us, r.speedup, r.speedup_fused);
+    if (f != nullptr) {
+      std::fprintf(f,
+                   "  {\"shape\": \"%s\", \"batch\": %d, \"window\": %d, \"accepted\": %d, "
+                   "\"buffer_len\": %d, \"checkpoint\": \"%s\", \"replay_us\": %.3f, "
+                   "\"eager_spec_us\": %.3f, \"eager_spec_fused_us\": %.3f, \"speedup\": %.3f, "
+                   "\"speedup_vs_fused\": %.3f}%s\n",
+                   r.shape.c_str(), r.batch, r.window, r.accepted, r.buffer_len,
+                   checkpoint_precision_name(r.checkpoint), r.replay_us, r.eager_us,
+                   r.eager_fused_us, r.speedup, r.speedup_fused, i + 1 < spec.size() ? "," : "");
+    }
+  }
+  if (f != nullptr) {
+    std::fprintf(f, "]\n");
+    std::fclose(f);
+  }
+  return 0;
+}
+
+#endif  // REPLAYSSM_GDN_BENCH_MAIN

@@ -1,0 +1,51 @@
+#pragma once
+/// \file cuda_bench_gdn.h
+/// The Gated DeltaNet part of the CUDA benchmark (bench/cuda_bench_gdn.cu), for run_cuda_bench
+/// (bench/cuda_bench.cu) to call on shapes of kind kGdn. Timings follow BENCHMARKS.md's
+/// protocol: whole fold cycles of L steps captured into one CUDA graph, timed with events after
+/// warm-up, median of the repetitions, slots rotated so that a cycle streams several times the
+/// L2; inputs drawn once per step of a cycle (realistic scales, never zeros).
+
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "replayssm/status.h"
+#include "replayssm/types.h"
+
+namespace replayssm {
+
+/// Per batch of options.batches: our eager kernel (options.eager_state_dtype) and replay in
+/// each of options.checkpoints; each step is one decode of `layers` layers plus one commit
+/// (the protocol's 1 layer puts a whole commit on every layer step; more layers amortise it
+/// as a model does). Appends timings to report->results; bench_finish fills the rest.
+Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
+                          BenchReport* report, int layers = 1);
+
+/// Speculative decoding with T-token windows, µs per verify step of one layer:
+///   replay: one decode verifying T tokens (every output from the unchanged checkpoint), then a
+///           commit of `accepted` of them (folds fall due as history accumulates);
+///   eager spec: T sequential eager updates, each reading the state and writing a copy
+///           (issue 4's baseline: T + T state transfers; a fused eager-spec kernel would move
+///           T + 1, also reported as eager_fused_us = eager_us · (T + 1) / (2T)).
+struct GdnSpecResult {
+  std::string shape;
+  int batch = 0;
+  int window = 0;    ///< T
+  int accepted = 0;  ///< k committed per step
+  int buffer_len = 0;
+  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
+  double replay_us = 0.0;
+  double eager_us = 0.0;
+  double eager_fused_us = 0.0;
+  double speedup = 0.0;        ///< eager_us / replay_us
+  double speedup_fused = 0.0;  ///< eager_fused_us / replay_us
+};
+Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, int accepted,
+                               const BenchOptions& options, std::vector<GdnSpecResult>* out);
+
+/// Measured device bandwidths in GB/s: copy counts read + write bytes of a device-to-device
+/// copy; read is a streaming-read kernel. Best of 5 over 2 GiB.
+Status cuda_bench_bandwidth(double* copy_gbps, double* read_gbps);
+
+}  // namespace replayssm

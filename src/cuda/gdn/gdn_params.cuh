@@ -1,0 +1,140 @@
+#pragma once
+// Gated DeltaNet decode on CUDA: the tile, the kernels' Params, and what is supported.
+//
+// One CTA = (batch row, key head, row split). A key head's Hv/Hk value heads are consecutive
+// and their state blocks [V, K] are contiguous, so the CTA sees one matrix of G·V rows × K
+// columns and reads the key head's keys (q̂, k, ring keys) once for all G value heads: no
+// value head re-reads a shared key from memory (ALGORITHM.md §2, issue 4).
+//
+// A state row of K ≤ 128 columns is spread over kRowLanes = 8 consecutive lanes (vec.cuh's
+// RowSplit), 16 columns per lane in 16-byte vectors: each warp-wide access covers four rows
+// of 8·16 contiguous bytes, a dot product over a row is 16 FMAs per lane + 3 shuffles, and
+// the 8 lanes of a row reduce without touching shared memory.
+//
+// head_k_dim is a runtime value (any multiple of 16 up to 128): vectors of a lane whose
+// columns lie past K are masked as a whole (a vector never straddles K since K % 16 == 0),
+// so one instantiation serves the real shapes (K = 128) and the small ones tests use.
+
+#include <cstdint>
+
+#include "cuda/common/dispatch.cuh"
+#include "cuda/common/vec.cuh"
+#include "replayssm/types.h"
+#include "state_cache_layout.h"
+
+namespace replayssm::cuda::gdn {
+
+/// Replay CTA size. A replay step is bound by how many CTAs per SM are in their prologue at
+/// once (slot → cursor loads → ring staging → the serial walk: ~9 µs under load, during which a
+/// CTA streams little), more than by the bytes a CTA has in flight. Measured on the H200
+/// (qwen35-4b, batch 256, L = 16, µs per step, fp32 / fp32+bf16 checkpoint):
+///   256 threads × 80 regs, 3 CTAs/SM, state loaded after the walks        210 / 180
+///   256 threads × 128 regs, 2 CTAs/SM, whole 64 KB slice prefetched         340 / 228
+///   128 threads × 80 regs, 6 CTAs/SM, first pass prefetched (this)          196 / 153
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+/// Eager CTA size: no prologue to hide, 256 threads × 80 registers stream at 88% of copy.
+constexpr int kEagerThreads = 256;
+constexpr int kMaxHeadKDim = 128;  ///< K tile: rows are split as if K were 128
+constexpr int kHeadKDimStep = 16;  ///< K must be a multiple: one 16-byte fp8 vector
+constexpr int kMaxHeadVDim = 128;  ///< a walking warp holds V/32 outputs per lane
+constexpr int kRowLanes = 8;
+constexpr int kRowGroups = kThreads / kRowLanes;  ///< rows a replay CTA touches per access
+constexpr int kEagerRowGroups = kEagerThreads / kRowLanes;
+using Split = RowSplit<kMaxHeadKDim, kRowLanes>;
+constexpr int kPerLane = Split::kPerLane;  ///< 16 columns of a row per lane
+constexpr int kWalkPerLane = kMaxHeadKDim / 32;
+
+// ---------------------------------------------------------------------------------------------
+// What is supported: each list feeds the dispatch and the error text (dispatch.cuh).
+
+/// Eager state dtypes. f16 state has no user among the target models.
+using EagerStateDTypes = Supported<DType::kF32, DType::kBF16>;
+/// head_k_dim: multiples of 16 up to 128.
+using HeadKDims = Supported<16, 32, 48, 64, 80, 96, 112, 128>;
+/// Window widths a decode may verify (1 = plain decode). T > 8 would need more walking warps
+/// than a CTA has to keep every window position's walk in flight at once.
+using WindowWidths = Supported<1, 2, 3, 4, 5, 6, 7, 8>;
+
+// ---------------------------------------------------------------------------------------------
+// Params
+
+/// Inputs of one decode call, as GdnDecodeArgs (ops.h) in device memory.
+struct GdnInputs {
+  const std::int32_t* slot_ids = nullptr;  ///< [batch]
+  const void* q = nullptr;                 ///< [batch, T, Hk, K]  input dtype
+  const void* k = nullptr;                 ///< [batch, T, Hk, K]  input dtype
+  const void* v = nullptr;                 ///< [batch, T, Hv, V]  input dtype
+  const float* g = nullptr;                ///< [batch, T, Hv]
+  const float* beta = nullptr;             ///< [batch, T, Hv]
+  void* o = nullptr;                       ///< [batch, T, Hv, V]  input dtype
+  bool qk_l2norm = true;
+  float q_scale = 1.0f;  ///< resolved: args.scale, or K^-1/2 when 0 (as the CPU computes it)
+};
+
+/// Where a CTA's rows lie: rows [split·rows_per_split, ...) of its key head's G·V rows.
+struct RowTiling {
+  int splits = 1;
+  int rows_per_split = 0;
+};
+
+struct EagerParams {
+  StateCacheLayout cache;
+  GdnInputs in;
+  int layer = 0;
+  int heads_per_key = 1;  ///< G
+  RowTiling tiling;
+};
+
+/// Shared memory of the replay kernel, offsets from the dynamic base. Fp32 arrays first, then
+/// the staged ring records in the input dtype (16-byte aligned for cp.async).
+struct ReplaySmem {
+  int qhat = 0;   ///< float [T][kMaxHeadKDim]     q̂ of each window token (zero past K)
+  int tq = 0;     ///< float [T][G][kMaxHeadKDim]  walked queries, met by the checkpoint
+  int oring = 0;  ///< float [T][G][V]             the walks' ring part of the outputs
+  int alpha = 0;  ///< float [records][G]          e^g
+  int beta = 0;   ///< float [records][G]
+  int kscale = 0;  ///< float [records]             k's normalisation factor (ring_key_scale)
+  int key_bytes = 0;  ///< input_t [records][K]    raw k (history, then window); k̂ = k·kscale
+  int vec_bytes = 0;  ///< input_t [records][vec_stride]  v of the G heads
+  int vec_stride = 0;
+  int bytes = 0;
+
+  static ReplaySmem make(int T, int G, int K, int V, int records, int in_size) {
+    ReplaySmem s;
+    int f = 0;
+    s.qhat = f;
+    f += T * kMaxHeadKDim;
+    s.tq = f;
+    f += T * G * kMaxHeadKDim;
+    s.oring = f;
+    f += T * G * V;
+    s.alpha = f;
+    f += records * G;
+    s.beta = f;
+    f += records * G;
+    s.kscale = f;
+    f += records;
+    f = (f + 3) / 4 * 4;
+    s.key_bytes = f * 4;
+    const int per16 = 16 / in_size;
+    s.vec_stride = (G * V + per16 - 1) / per16 * per16;
+    s.vec_bytes = s.key_bytes + records * K * in_size;
+    s.bytes = s.vec_bytes + records * s.vec_stride * in_size;
+    return s;
+  }
+};
+
+struct ReplayParams {
+  StateCacheLayout cache;
+  GdnInputs in;
+  int num_tokens = 1;  ///< T; 0 = an explicit fold (state_cache_fold): no window, no outputs
+  int layer = 0;       ///< decode: the layer; explicit fold: blockIdx.z is the layer
+  int heads_per_key = 1;
+  int records = 0;     ///< staged ring records a CTA has room for: history + window
+  bool vec_async = false;  ///< ring v records of G heads are 16-byte aligned runs (cp.async)
+  RowTiling tiling;
+  ReplaySmem smem;
+};
+
+}  // namespace replayssm::cuda::gdn

@@ -1,0 +1,485 @@
+// Gated DeltaNet replay decode (ALGORITHM.md §3–§7) and the explicit fold, on CUDA.
+//
+// One CTA per (batch row, key head, row split), in four phases:
+//   1. stage: the committed history's ring records (cp.async, every load in flight at once)
+//      and the window's records, built from the inputs (raw k and its fp32 normalisation
+//      factor, v, β, g) and appended to the ring at positions committed..committed+T-1;
+//   2. walk (§4, adjoint form): one warp per (window position t, value head), newest record
+//      first: c = β_j·(k̂_j·t); o += c·v_j; t ← α_j·(t − c·k̂_j). Each walk is O(w·(K+V)) and
+//      leaves the query t that meets the checkpoint and the ring's part of the output;
+//   3. rows: each state row is read once from the read copy and multiplied by the T walked
+//      queries (T dot products per row: a verify of T tokens costs one read of the state);
+//   3'. or, when a fold is due (committed − folded >= L; any history for an explicit fold), the
+//      rows are read from the fp32 master, the history is replayed forward in fp32 registers
+//      (§5: s ← α s; d = β(v − s·k̂); s ← s + d k̂), written back to every copy (§6), and the
+//      outputs use the fresh read copy; the walks then cover the window only.
+// Wherever k̂ is used (walks, folds) it is formed in fp32 as to_float(k_j)·scale_j from the
+// ring's raw key and ring_key_scale (state_cache_layout.h), as the CPU backend does: a k̂
+// rounded to the input dtype would put that rounding into every fold of the fp32 master.
+// The cursor move folded = committed is a second launch (cursors.cuh, advance_folded): every
+// CTA of a slot decides from `folded`, so none may move it while others are still reading.
+//
+// Exactness: the walks apply each record's transition transposed to the query, so outputs
+// equal the eager recurrence up to rounding order; the only per-step state traffic is one
+// read of the read copy (fp32, bf16 or fp8), plus 1/L of a master read+write at folds.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "backend.h"
+#include "cuda/common/cache.cuh"
+#include "cuda/common/check.cuh"
+#include "cuda/common/checkpoint.cuh"
+#include "cuda/common/dispatch.cuh"
+#include "cuda/gdn/gdn_device.cuh"
+#include "cuda/gdn/gdn_launch.h"
+#include "cuda/gdn/gdn_params.cuh"
+#include "cuda/state_cache/cursors.cuh"
+
+namespace replayssm::cuda::gdn {
+
+namespace {
+
+/// Rows of the read copy each thread has in flight per pass: 128 bytes (2 fp32 rows, 4 bf16,
+/// 8 fp8). The first pass is requested before the prologue; 256 bytes per thread cost the
+/// registers of a whole CTA per SM (see kThreads).
+template <typename read_t>
+constexpr int kOutputRows = 128 / (kPerLane * int(sizeof(read_t)));
+/// Rows per thread in a fold: fp32 rows live in registers across the whole history, and the
+/// history's keys are gathered once per token for all of them.
+constexpr int kFoldRows = 2;
+
+/// Phase 1: the committed history's records (positions first .. first+hist-1) into shared
+/// memory, as staged ring records [j] = position first + j.
+template <typename input_t>
+__device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, int slot, int hk,
+                                              std::uint32_t first, int hist,
+                                              unsigned char* smem) {
+  const StateCacheLayout& l = p.cache;
+  const int K = l.dims.cols, V = l.dims.rows, Hk = l.dims.key_heads, Hv = l.dims.heads;
+  const int G = p.heads_per_key, h0 = hk * G;
+  constexpr int in = sizeof(input_t);
+  auto* s_key = smem + p.smem.key_bytes;
+  auto* s_vec = smem + p.smem.vec_bytes;
+  auto* s_alpha = reinterpret_cast<float*>(smem) + p.smem.alpha;
+  auto* s_beta = reinterpret_cast<float*>(smem) + p.smem.beta;
+  auto* s_kscale = reinterpret_cast<float*>(smem) + p.smem.kscale;
+  const auto* ring_key = static_cast<const unsigned char*>(l.ring_key);
+  const auto* ring_vec = static_cast<const unsigned char*>(l.ring_vec);
+
+  const int key_chunks = K * in / 16;  // K % 16 == 0: whole 16-byte vectors
+  const int vec_chunks = p.vec_async ? G * V * in / 16 : 0;
+  const int per_record = key_chunks + vec_chunks;
+  for (int i = threadIdx.x; i < hist * per_record; i += kThreads) {
+    const int j = i / per_record;
+    const int c = i - j * per_record;
+    const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+    if (c < key_chunks) {
+      cp_async16(s_key + (j * K) * in + c * 16,
+                 ring_key + ((rec * Hk + hk) * K) * in + c * 16);
+    } else {
+      cp_async16(s_vec + (j * p.smem.vec_stride) * in + (c - key_chunks) * 16,
+                 ring_vec + ((rec * Hv + h0) * V) * in + (c - key_chunks) * 16);
+    }
+  }
+  if (!p.vec_async) {  // small shapes whose G·V run is not a whole number of 16-byte vectors
+    const int n = G * V;
+    for (int i = threadIdx.x; i < hist * n; i += kThreads) {
+      const int j = i / n;
+      const int e = i - j * n;
+      const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+      reinterpret_cast<input_t*>(s_vec)[j * p.smem.vec_stride + e] =
+          static_cast<const input_t*>(l.ring_vec)[(rec * Hv + h0) * V + e];
+    }
+  }
+  for (int i = threadIdx.x; i < hist * G; i += kThreads) {
+    const int j = i / G;
+    const int h = i - j * G;
+    const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+    s_alpha[i] = expf(l.ring_decay[rec * Hv + h0 + h]);
+    s_beta[i] = l.ring_write[rec * Hv + h0 + h];
+  }
+  for (int j = threadIdx.x; j < hist; j += kThreads) {
+    const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+    s_kscale[j] = l.ring_key_scale[rec * Hk + hk];
+  }
+}
+
+/// Phase 1, window: records of the T tokens at staged index hist + t (raw k and its factor,
+/// v, β, g), appended to the ring at position committed + t by split 0 (the other splits of
+/// the key head stage the same values). q̂ of each token into s_qhat.
+template <typename input_t>
+__device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, int slot, int hk,
+                                             int b, std::uint32_t committed, int hist,
+                                             bool append, unsigned char* smem) {
+  const StateCacheLayout& l = p.cache;
+  const GdnInputs& in = p.in;
+  const int K = l.dims.cols, V = l.dims.rows, Hk = l.dims.key_heads, Hv = l.dims.heads;
+  const int G = p.heads_per_key, h0 = hk * G, T = p.num_tokens;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float* s_f = reinterpret_cast<float*>(smem);
+  auto* s_key = reinterpret_cast<input_t*>(smem + p.smem.key_bytes);
+  auto* s_vec = reinterpret_cast<input_t*>(smem + p.smem.vec_bytes);
+  auto* ring_key = static_cast<input_t*>(l.ring_key);
+  auto* ring_vec = static_cast<input_t*>(l.ring_vec);
+
+  // k and q̂: one warp per (token, which). The ring keeps the raw k (copied, exact) and its
+  // fp32 normalisation factor; every use (this step's walks included) forms k̂ = k·factor in
+  // fp32, as the CPU does.
+  float* s_kscale = s_f + p.smem.kscale;
+  float* ring_key_scale = l.ring_key_scale;
+  for (int job = warp; job < 2 * T; job += kWarps) {
+    const bool is_key = job < T;
+    const int t = is_key ? job : job - T;
+    const std::int64_t bt = std::int64_t{b} * T + t;
+    const auto* src = static_cast<const input_t*>(is_key ? in.k : in.q) + (bt * Hk + hk) * K;
+    if (is_key) {
+      float x[kWalkPerLane];
+      const float factor = load_l2norm_factor_warp(src, K, lane, x);
+      const float key_scale = in.qk_l2norm ? factor : 1.0f;
+      const std::int64_t rec = ring_record(l, layer, slot, committed + std::uint32_t(t));
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) {
+        const int c = lane + 32 * i;
+        if (c < K) {
+          const input_t r = src[c];
+          s_key[(hist + t) * K + c] = r;
+          if (append) ring_key[(rec * Hk + hk) * K + c] = r;
+        }
+      }
+      if (lane == 0) {
+        s_kscale[hist + t] = key_scale;
+        if (append) ring_key_scale[rec * Hk + hk] = key_scale;
+      }
+    } else {
+      float x[kWalkPerLane];
+      normalise_warp(src, K, in.qk_l2norm, in.q_scale, lane, x);
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) {
+        s_f[p.smem.qhat + t * kMaxHeadKDim + lane + 32 * i] = x[i];  // zero past K
+      }
+    }
+  }
+  const int n = G * V;
+  for (int i = threadIdx.x; i < T * n; i += kThreads) {
+    const int t = i / n;
+    const int e = i - t * n;
+    const input_t x = static_cast<const input_t*>(in.v)[((std::int64_t{b} * T + t) * Hv + h0) * V + e];
+    s_vec[(hist + t) * p.smem.vec_stride + e] = x;
+    if (append) {
+      const std::int64_t rec = ring_record(l, layer, slot, committed + std::uint32_t(t));
+      ring_vec[(rec * Hv + h0) * V + e] = x;
+    }
+  }
+  for (int i = threadIdx.x; i < T * G; i += kThreads) {
+    const int t = i / G;
+    const int h = i - t * G;
+    const std::int64_t bth = (std::int64_t{b} * T + t) * Hv + h0 + h;
+    const float g = in.g[bth], beta = in.beta[bth];
+    s_f[p.smem.alpha + (hist + t) * G + h] = expf(g);
+    s_f[p.smem.beta + (hist + t) * G + h] = beta;
+    if (append) {
+      const std::int64_t rec = ring_record(l, layer, slot, committed + std::uint32_t(t));
+      l.ring_decay[rec * Hv + h0 + h] = g;
+      l.ring_write[rec * Hv + h0 + h] = beta;
+    }
+  }
+}
+
+/// Phase 2: the adjoint walks (§4) of window positions 0..T-1 for local heads h_lo..h_hi, one
+/// warp per walk; records [stop, hist + t] newest first (stop = hist after a fold: the history
+/// is in the checkpoint then). Writes s_tq and s_oring.
+template <typename input_t>
+__device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, int h_lo,
+                                     int h_hi, unsigned char* smem) {
+  const StateCacheLayout& l = p.cache;
+  const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key, T = p.num_tokens;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float* s_f = reinterpret_cast<float*>(smem);
+  const float* s_alpha = s_f + p.smem.alpha;
+  const float* s_beta = s_f + p.smem.beta;
+  const float* s_kscale = s_f + p.smem.kscale;
+  const auto* s_key = reinterpret_cast<const input_t*>(smem + p.smem.key_bytes);
+  const auto* s_vec = reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes);
+  const int nh = h_hi - h_lo + 1;
+  for (int id = warp; id < T * nh; id += kWarps) {
+    const int t = id / nh;
+    const int h = h_lo + (id - t * nh);
+    float q[kWalkPerLane], acc[kWalkPerLane];
+#pragma unroll
+    for (int i = 0; i < kWalkPerLane; ++i) {
+      q[i] = s_f[p.smem.qhat + t * kMaxHeadKDim + lane + 32 * i];
+      acc[i] = 0.0f;
+    }
+    for (int j = hist + t; j >= stop; --j) {
+      const input_t* key = s_key + j * K;
+      const float key_scale = s_kscale[j];
+      float kv[kWalkPerLane];  // k̂_j = to_float(k_j)·scale_j, as the CPU rounds it
+      float kq = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) {
+        const int c = lane + 32 * i;
+        kv[i] = c < K ? to_float(key[c]) * key_scale : 0.0f;
+        kq += kv[i] * q[i];
+      }
+      kq = group_sum<32>(kq);
+      const float coeff = s_beta[j * G + h] * kq;
+      const input_t* vec = s_vec + j * p.smem.vec_stride + h * V;
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) {
+        const int r = lane + 32 * i;
+        if (r < V) acc[i] += coeff * to_float(vec[r]);
+      }
+      const float a = s_alpha[j * G + h];
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) q[i] = a * (q[i] - coeff * kv[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kWalkPerLane; ++i) {
+      s_f[p.smem.tq + (t * G + h) * kMaxHeadKDim + lane + 32 * i] = q[i];  // zero past K
+      const int r = lane + 32 * i;
+      if (r < V) s_f[p.smem.oring + (t * G + h) * V + r] = acc[i];
+    }
+  }
+}
+
+/// Phase 3 for one row (this lane's values s of the read copy, order_t layout): the T outputs
+/// o_t[row] = S_read[row]·t_t + ring part. Every lane of the warp must call it.
+template <typename input_t, typename order_t>
+__device__ __forceinline__ void emit_outputs(const ReplayParams& p, int b, int hk, int row,
+                                             bool active, const float (&s)[kPerLane],
+                                             const float* s_f, int lane) {
+  const int V = p.cache.dims.rows, Hv = p.cache.dims.heads, G = p.heads_per_key;
+  const int T = p.num_tokens;
+  const int h = row / V, v = row - h * V;
+  for (int t = 0; t < T; ++t) {
+    float q[kPerLane];
+    gather_smem<order_t>(s_f + p.smem.tq + (t * G + h) * kMaxHeadKDim, lane, q);
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) dot += s[i] * q[i];
+    dot = group_sum<kRowLanes>(dot);
+    if (active && lane == 0) {
+      const float out = s_f[p.smem.oring + (t * G + h) * V + v] + dot;
+      static_cast<input_t*>(p.in.o)[((std::int64_t{b} * T + t) * Hv + hk * G) * V + row] =
+          from_float<input_t>(out);
+    }
+  }
+}
+
+template <typename input_t, CheckpointPrecision P>
+__global__ void __launch_bounds__(kThreads, 6)
+    gdn_replay_kernel(const __grid_constant__ ReplayParams p) {
+  using Traits = CheckpointTraits<P>;
+  using read_t = typename Traits::read_t;
+  using master_t = typename Traits::master_t;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const StateCacheLayout& l = p.cache;
+  const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key, T = p.num_tokens;
+  const int hk = blockIdx.x / p.tiling.splits;
+  const int split = blockIdx.x - hk * p.tiling.splits;
+  const int b = blockIdx.y;
+  const int layer = T == 0 ? int(blockIdx.z) : p.layer;
+  const int slot = slot_in_range(l, p.in.slot_ids, b);
+  if (slot < 0) return;  // pad row or bad id: nothing read or written
+  const int group_rows = G * V;
+  const int row_begin = split * p.tiling.rows_per_split;
+  const int row_end = min(group_rows, row_begin + p.tiling.rows_per_split);
+  if (row_begin >= row_end) return;
+  const int lane = threadIdx.x % kRowLanes;
+  const int rg = threadIdx.x / kRowLanes;
+  // Rows of the key head's G value heads are contiguous: row r of head hk·G + r / V.
+  const CheckpointHead<P> ck(l, layer, slot, hk * G);
+
+  // The first pass of this CTA's read copy is requested before anything else is known: the
+  // cursors, the ring staging and the walks (a chain of ~3 dependent memory round trips and w
+  // shuffle reductions) then run while it is in flight. On a fold step the prefetch is dropped
+  // (dual precision reads the master instead); reading a free slot's rows is harmless, and
+  // they are never used. See kThreads for what this is worth and what bounds the step.
+  constexpr int kRows = kOutputRows<read_t>;
+  using Frag = typename Split::template Fragment<read_t>;
+  Frag f[kRows];
+  float scale[kRows];
+  const auto load_pass = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int r = base + rg + u * kRowGroups;
+      scale[u] = 1.0f;
+      if (r < row_end) {
+        load_cols<CacheOp::kStreaming>(f[u], ck.read_row(r), lane, K);
+        if constexpr (Traits::kScaled) scale[u] = ck.scale[r];
+      } else {
+        f[u] = {};
+      }
+    }
+  };
+  if (T > 0) load_pass(row_begin);
+
+  // Cursors, all three loads in flight together.
+  const std::int64_t ls = layer_slot(l, layer, slot);
+  const bool allocated = slot_allocated(l, slot);
+  const std::uint32_t committed = l.committed[slot];
+  const std::uint32_t first = l.folded[ls];
+  if (!allocated) return;  // a free slot: nothing written
+  const std::uint32_t unfolded_count = committed - first;
+  const bool fold = fold_due(l, unfolded_count, T);
+  if (T == 0 && !fold) return;
+  // Clamped so that corrupt cursors cannot index past the staging (cache.cuh).
+  const int hist = int(min(unfolded_count, std::uint32_t(max_history(l))));
+  const int h_lo = row_begin / V, h_hi = (row_end - 1) / V;
+
+  // Phase 1.
+  stage_history<input_t>(p, layer, slot, hk, first, hist, smem);
+  if (T > 0) stage_window<input_t>(p, layer, slot, hk, b, committed, hist, split == 0, smem);
+  if (T > 0 && hk == 0 && split == 0 && threadIdx.x == 0) {
+    l.pending[slot] = static_cast<std::uint8_t>(T);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
+  // Phase 2.
+  if (T > 0) {
+    walk<input_t>(p, hist, fold ? hist : 0, h_lo, h_hi, smem);
+    __syncthreads();
+  }
+
+  // Phase 3.
+  const float* s_f = reinterpret_cast<const float*>(smem);
+  if (!fold) {
+    // One pass per CTA at the host's tiling; the loop bound is the same for the whole block
+    // (base, not a lane's own row): the row reductions shuffle over full warps, so a lane
+    // whose rows lie past the end still runs the pass, on zeros.
+    for (int base = row_begin; base < row_end; base += kRowGroups * kRows) {
+      if (base != row_begin) load_pass(base);
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        const int r = base + rg + u * kRowGroups;
+        float s[kPerLane];
+        unpack_frag(f[u], s);
+        if constexpr (Traits::kScaled) {
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i) s[i] = __fmul_rn(s[i], scale[u]);
+        }
+        emit_outputs<input_t, read_t>(p, b, hk, min(r, row_end - 1), r < row_end, s, s_f, lane);
+      }
+    }
+    return;
+  }
+
+  // Phase 3': fold, then (decode) the outputs from the refreshed read copy.
+  const auto* s_key = reinterpret_cast<const input_t*>(smem + p.smem.key_bytes);
+  const auto* s_vec = reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes);
+  const float* s_alpha = s_f + p.smem.alpha;
+  const float* s_beta = s_f + p.smem.beta;
+  const float* s_kscale = s_f + p.smem.kscale;
+  using MasterFrag = typename Split::template Fragment<master_t, read_t>;
+  for (int base = row_begin; base < row_end; base += kRowGroups * kFoldRows) {
+    const int r0 = base + rg;
+    float s[kFoldRows][kPerLane];
+    int row[kFoldRows], h[kFoldRows];
+#pragma unroll
+    for (int u = 0; u < kFoldRows; ++u) {
+      row[u] = min(r0 + u * kRowGroups, row_end - 1);
+      h[u] = row[u] / V;
+      MasterFrag m;
+      if (r0 + u * kRowGroups < row_end) {
+        load_cols<CacheOp::kStreaming>(m, ck.master_row(row[u]), lane, K);
+      } else {
+        m = {};
+      }
+      unpack_frag(m, s[u]);
+    }
+    for (int j = 0; j < hist; ++j) {
+      // k̂_j = scale_j·k_j with the scale taken into the row's two scalars (s·k̂ = scale·(s·k),
+      // d·k̂ = (d·scale)·k): the same fp32 arithmetic as the CPU's up to rounding order, and
+      // no per-element product: scaling the 16 gathered values doubled the kernel's spills
+      // under the 80-register cap (ptxas, sm_90: 12 → 24 bytes with an fp8 copy; this: 16).
+      float key[kPerLane];
+      gather_key<read_t>(s_key + j * K, lane, K, key);
+      const float key_scale = s_kscale[j];
+#pragma unroll
+      for (int u = 0; u < kFoldRows; ++u) {
+        const float a = s_alpha[j * G + h[u]];
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          s[u][i] *= a;
+          dot += s[u][i] * key[i];
+        }
+        dot = group_sum<kRowLanes>(dot) * key_scale;
+        const float x = to_float(s_vec[j * p.smem.vec_stride + row[u]]);
+        const float d = s_beta[j * G + h[u]] * (x - dot) * key_scale;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) s[u][i] += d * key[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kFoldRows; ++u) {
+      const bool active = r0 + u * kRowGroups < row_end;
+      checkpoint_store_cols<P, read_t>(ck, row[u], lane, active, K, s[u]);
+      if (T > 0) emit_outputs<input_t, read_t>(p, b, hk, row[u], active, s[u], s_f, lane);
+    }
+  }
+}
+
+template <typename input_t, CheckpointPrecision P>
+Status launch(ReplayParams p, int batch) {
+  using read_t = typename CheckpointTraits<P>::read_t;
+  const int group_rows = p.heads_per_key * p.cache.dims.rows;
+  p.tiling = row_tiling(batch, p.cache.dims.key_heads, group_rows,
+                        kRowGroups * kOutputRows<read_t>);
+  const dim3 grid(p.cache.dims.key_heads * p.tiling.splits, batch,
+                  p.num_tokens == 0 ? p.cache.config.num_layers : 1);
+  auto kernel = gdn_replay_kernel<input_t, P>;
+  if (p.smem.bytes > 48 * 1024) {
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
+  }
+  kernel<<<grid, kThreads, p.smem.bytes, launch_stream()>>>(p);
+  REPLAYSSM_CUDA_CHECK_LAUNCH("gdn_replay_kernel");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status launch_replay(StateCacheLayout& l, const GdnDecodeArgs* args, const FoldArgs* fold) {
+  const StateCacheConfig& c = l.config;
+  ReplayParams p;
+  p.cache = l;
+  p.heads_per_key = l.dims.heads / l.dims.key_heads;
+  const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key;
+  const int in_size = static_cast<int>(dtype_size(c.input_dtype));
+  int batch = 0;
+  if (args != nullptr) {
+    batch = args->batch;
+    p.num_tokens = args->num_tokens;
+    p.layer = args->layer;
+    p.in = input_args(*args, K);
+  } else {
+    batch = fold->batch;
+    p.num_tokens = 0;
+    p.in.slot_ids = fold->slot_ids;
+  }
+  const int T = p.num_tokens;
+  p.records = c.buffer_len - 1 + c.max_spec_tokens + T;
+  p.smem = ReplaySmem::make(T, G, K, V, p.records, in_size);
+  REPLAYSSM_RETURN_IF_ERROR(check_smem(p.smem.bytes, "gdn replay"));
+  const std::int64_t vec_run = std::int64_t{G} * V * in_size;
+  p.vec_async = vec_run % 16 == 0 && (std::int64_t{l.dims.heads} * V * in_size) % 16 == 0;
+
+  REPLAYSSM_RETURN_IF_ERROR(ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
+    using input_t = dtype_t<in.value>;
+    return CheckpointPrecisions::dispatch(c.checkpoint, "checkpoint precision", [&](auto ck) {
+      return launch<input_t, ck.value>(p, batch);
+    });
+  }));
+  if (T > 0) return advance_folded(l, p.layer, p.in.slot_ids, batch, T);
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    REPLAYSSM_RETURN_IF_ERROR(advance_folded(l, layer, p.in.slot_ids, batch, 0));
+  }
+  return Status::ok();
+}
+
+}  // namespace replayssm::cuda::gdn

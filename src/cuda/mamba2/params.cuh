@@ -1,0 +1,121 @@
+#pragma once
+// Mamba-2 decode on CUDA: the kernels' Params, their tile shapes, and what is supported.
+//
+// Both kernels split a state row of dstate = 128 columns over a group of kLanesPerRow = 8
+// lanes (16 columns each: one 16-byte vector of fp8, two of bf16, four of fp32, interleaved so
+// that each warp-wide access covers whole rows; vec.cuh's RowSplit).
+//
+// Eager (eager_kernel.cu): one block per (head, batch row), each thread holding
+// kRowsPerThread = 4 rows in registers: ceil(head_dim / 4)·8 threads (128 at head_dim 64, 160
+// at 80), 4 rows' loads in flight per thread; 92-93% of copy bandwidth at batch 256.
+// Replay (replay_kernel.cu): see "replay kernel tiling" below.
+
+#include <cstdint>
+
+#include "cuda/common/dispatch.cuh"
+#include "replayssm/ops.h"
+#include "replayssm/status.h"
+#include "state_cache_layout.h"
+
+namespace replayssm::cuda::mamba2 {
+
+inline constexpr int kDstate = 128;
+inline constexpr int kLanesPerRow = 8;
+inline constexpr int kRowsPerThread = 4;
+inline constexpr int kMaxHeadDim = 128;
+inline constexpr int kMaxThreads = (kMaxHeadDim / kRowsPerThread) * kLanesPerRow;  // 256
+/// The widest speculative window the CUDA replay kernel verifies (issue 3: T up to 8).
+inline constexpr int kMaxWindow = 8;
+
+using Dstates = Supported<kDstate>;
+/// Eager caches' state dtypes: all of them (common/dispatch.cuh).
+using EagerStateDTypes = StateDTypes;
+
+/// Everything a decode kernel reads, by value (`const __grid_constant__`).
+struct Params {
+  StateCacheLayout cache;
+  int layer = 0;
+  int batch = 0;
+  int num_tokens = 0;  ///< T; 0 = an explicit fold (no inputs, no outputs)
+  const std::int32_t* slot_ids = nullptr;  ///< [batch]
+  const void* x = nullptr;                 ///< [batch, T, nheads, head_dim]
+  const float* dt = nullptr;               ///< [batch, T, nheads]
+  const void* B = nullptr;                 ///< [batch, T, ngroups, dstate]
+  const void* C = nullptr;                 ///< [batch, T, ngroups, dstate]
+  const void* z = nullptr;                 ///< [batch, T, nheads, head_dim] or null
+  const float* A = nullptr;                ///< [nheads]
+  const float* D = nullptr;                ///< [nheads]
+  const float* dt_bias = nullptr;          ///< [nheads]
+  void* y = nullptr;                       ///< [batch, T, nheads, head_dim]
+  int heads_per_cta = 1;                   ///< replay: heads of one group per block
+};
+
+/// Eager: threads per block for a head of `head_dim` rows (a whole number of warps).
+__host__ __device__ inline int block_threads(int head_dim) {
+  const int threads = (head_dim + kRowsPerThread - 1) / kRowsPerThread * kLanesPerRow;
+  return (threads + 31) / 32 * 32;
+}
+
+/// Records a replay block stages in shared memory: the committed history a fold may find
+/// (buffer_len − 1 + T) plus the window.
+__host__ __device__ inline int max_records(const StateCacheLayout& l) {
+  return l.config.buffer_len - 1 + 2 * l.config.max_spec_tokens;
+}
+
+// ---- replay kernel tiling (replay_kernel.cu) ----------------------------------------------
+//
+// One block per (batch row, run of heads_per_cta heads of one group): the group's B and C and
+// its B_j·C_t products are staged and computed once for all its heads, and the heads' state
+// blocks, contiguous in memory, stream through a ring of kStages shared-memory tiles of
+// kTileBytes (cp.async). 256 threads: 32 row groups of 8 lanes; a tile holds 32 fp32 rows,
+// 64 bf16 or 128 fp8 rows, so each row group takes 1, 2 or 4 rows of it: the same bytes and
+// the same two barriers per tile whatever the dtype.
+inline constexpr int kReplayThreads = 256;
+inline constexpr int kRowGroups = kReplayThreads / kLanesPerRow;  // 32
+inline constexpr int kTileBytes = 16 * 1024;
+inline constexpr int kStages = 2;
+inline constexpr int kPipeBytes = kStages * kTileBytes;
+inline constexpr int kMaxHeadsPerCta = 16;
+
+/// Shared-memory carve-up of a replay block, in bytes (16-byte aligned pieces).
+struct ReplaySmem {
+  int R;          // records staged (max_records)
+  int Tm;         // widest window (max_spec_tokens)
+  int P;          // head_dim
+  int hpc;        // heads per block
+  int in_bytes;   // activation dtype size
+  __host__ __device__ static int align16(int b) { return (b + 15) / 16 * 16; }
+  __host__ __device__ int pipe() const { return 0; }                                // tiles
+  __host__ __device__ int x() const { return kPipeBytes; }                          // [R][hpc][P] input
+  __host__ __device__ int B() const { return x() + align16(R * hpc * P * in_bytes); }  // [R][N] input
+  __host__ __device__ int C() const { return B() + align16(R * kDstate * in_bytes); }  // [Tm][N] input
+  __host__ __device__ int Bf() const { return C() + align16(Tm * kDstate * in_bytes); }  // [R][N] fp32
+  __host__ __device__ int Cf() const { return Bf() + R * kDstate * 4; }              // [Tm][N] fp32
+  __host__ __device__ int scale() const { return Cf() + Tm * kDstate * 4; }          // [hpc][P]
+  __host__ __device__ int dt() const { return scale() + align16(hpc * P * 4); }     // [R][hpc]
+  __host__ __device__ int decay() const { return dt() + align16(R * hpc * 4); }     // [R][hpc]
+  __host__ __device__ int cum() const { return decay() + align16(R * hpc * 4); }    // [hpc][R]
+  __host__ __device__ int fold_w() const { return cum() + align16(hpc * R * 4); }   // [hpc][R]
+  __host__ __device__ int fold_tau() const { return fold_w() + align16(hpc * R * 4); }  // [hpc]
+  __host__ __device__ int tau() const { return fold_tau() + align16(hpc * 4); }     // [hpc][Tm]
+  __host__ __device__ int G() const { return tau() + align16(hpc * Tm * 4); }       // [Tm][R]
+  __host__ __device__ int coef() const { return G() + align16(Tm * R * 4); }        // [hpc][Tm][R]
+  __host__ __device__ int dot() const { return coef() + align16(hpc * Tm * R * 4); }  // [hpc][Tm][P]
+  __host__ __device__ int z() const { return dot() + align16(hpc * Tm * P * 4); }  // [Tm][hpc][P] input
+  __host__ __device__ int D() const { return z() + align16(Tm * hpc * P * in_bytes); }  // [hpc]
+  __host__ __device__ int bytes() const { return D() + align16(hpc * 4); }
+};
+
+/// kOk when this build has a kernel for the cache's config, else kUnsupported naming the
+/// supported values.
+Status can_implement(const StateCacheConfig& config);
+
+Status launch_eager(const Params& params);
+Status launch_replay(const Params& params);
+
+/// Folds one layer's committed history for the given rows' slots (device ids; -1 = skip):
+/// the replay kernel with an empty window, then advance_folded. state_cache_fold folds every
+/// layer; export folds only the layer it materialises, as the CPU backend does.
+Status fold_layer(StateCacheLayout& cache, int layer, const std::int32_t* slot_ids, int batch);
+
+}  // namespace replayssm::cuda::mamba2

@@ -1,0 +1,534 @@
+// Mamba-2 replay decode (ALGORITHM.md §4, §5, §7): the outputs of a T-token window from the
+// checkpoint's read copy and the ring, with the fold of committed history fused in when due.
+//
+// One block per (batch row b, run of heads_per_cta heads h0.. of group g), w = committed −
+// folded history records:
+//   1. stage in shared memory (cp.async) what the step reads besides the state: x of the
+//      block's heads and B of the group for the w history records (ring) and the T window
+//      tokens (inputs), C_t, Δ and A·Δ; append the window to the ring;
+//   2. per head, fp32 prefix sums Λ of A·Δ, and the coefficients
+//        fold:    τ = exp(Λ_{w−1}),  weight_j = Δ_j·exp(Λ_{w−1} − Λ_j)
+//        output:  τ_t = exp(Λ_last), coef_tj = Δ_j·exp(Λ_last − Λ_j)·(B_j·C_t)  (j ≤ last)
+//      with B_j·C_t computed once for the group;
+//   3. stream the heads' rows (contiguous in memory) through shared-memory tiles: when a fold
+//      is due (w >= L; any w for an explicit fold) S ← τ·S + Σ_j weight_j·x_j·B_jᵀ on the
+//      master copy, written back to every copy (checkpoint.cuh), after which the window reads
+//      the fresh read copy and no history; then (S·C_t)[p] for every window token;
+//   4. y_t = τ_t·(S·C_t) + Σ_{j ≤ last} coef_tj·x_j + D·x_t, gated by silu(z_t).
+// The state is read once (the floor of a replay step) and written only by a due fold.
+// Arithmetic follows src/cpu/mamba2_decode.cpp term by term, so the backends differ only by
+// rounding order (FMA contraction, the order of the 128-term dot products).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "common/numeric.h"
+#include "cuda/common/async_copy.cuh"
+#include "cuda/common/cache.cuh"
+#include "cuda/common/check.cuh"
+#include "cuda/common/checkpoint.cuh"
+#include "cuda/common/dispatch.cuh"
+#include "cuda/common/vec.cuh"
+#include "cuda/mamba2/params.cuh"
+
+namespace replayssm::cuda::mamba2 {
+
+namespace {
+
+using Split = RowSplit<kDstate, kLanesPerRow>;
+constexpr int kPerLane = Split::kPerLane;  // 16 columns of a row per lane
+
+/// Rows of T in one tile, and rows per row group (lane group of 8) in it.
+template <typename T>
+constexpr int kTileRows = kTileBytes / (kDstate * int(sizeof(T)));  // fp32 32, bf16 64, fp8 128
+template <typename T>
+constexpr int kRowsPerGroup = kTileRows<T> / kRowGroups;
+
+// Where one block is, and its shared memory.
+struct Block {
+  int b, g, h0, hpc, slot;
+  int P, T, R, Tm;
+  int rows;    // hpc·P state rows, contiguous from head h0's first row
+  int w;       // committed history records staged at [0, w)
+  bool fold;   // fold those w records first
+  int out0;    // first record the outputs read: w after a fold, else 0
+  int nout;    // records the outputs read: window plus any unfolded history
+  unsigned char* smem;
+  ReplaySmem at;
+
+  template <typename T = float>
+  __device__ __forceinline__ T* ptr(int offset) const {
+    return reinterpret_cast<T*>(smem + offset);
+  }
+};
+
+// Step 1: the records' x (this block's heads), B and C (the group's) by cp.async, one group;
+// Δ and A·Δ by plain loads. History j < w from ring position folded + j, window token t at
+// record w + t from the inputs.
+template <typename input_t, CheckpointPrecision P>
+__device__ void issue_staging(const Params& p, const Block& k, std::uint32_t folded) {
+  const StateCacheLayout& l = p.cache;
+  const int H = l.dims.heads, G = l.dims.key_heads, T = k.T;
+  const int xrec = k.hpc * k.P;  // elements of one record's x in this block
+  const int nrec = k.w + T;
+  input_t* xs = k.ptr<input_t>(k.at.x());
+  input_t* Bs = k.ptr<input_t>(k.at.B());
+  for (int j = 0; j < nrec; ++j) {
+    const input_t* x_src;
+    const input_t* B_src;
+    if (j < k.w) {
+      const std::int64_t rec = ring_record(l, p.layer, k.slot, folded + j);
+      x_src = static_cast<const input_t*>(l.ring_vec) + (rec * H + k.h0) * k.P;
+      B_src = static_cast<const input_t*>(l.ring_key) + (rec * G + k.g) * kDstate;
+    } else {
+      const std::int64_t bt = std::int64_t{k.b} * T + (j - k.w);
+      x_src = static_cast<const input_t*>(p.x) + (bt * H + k.h0) * k.P;
+      B_src = static_cast<const input_t*>(p.B) + (bt * G + k.g) * kDstate;
+    }
+    copy_to_shared(xs + j * xrec, x_src, xrec * int(sizeof(input_t)));
+    copy_to_shared(Bs + j * kDstate, B_src, kDstate * int(sizeof(input_t)));
+  }
+  for (int t = 0; t < T; ++t) {
+    const std::int64_t bt = std::int64_t{k.b} * T + t;
+    copy_to_shared(k.ptr<input_t>(k.at.C()) + t * kDstate,
+                   static_cast<const input_t*>(p.C) + (bt * G + k.g) * kDstate,
+                   kDstate * int(sizeof(input_t)));
+  }
+  if (p.z != nullptr) {  // the gate of the window, read by step 4 from shared memory
+    for (int t = 0; t < T; ++t) {
+      const std::int64_t bt = std::int64_t{k.b} * T + t;
+      copy_to_shared(k.ptr<input_t>(k.at.z()) + t * xrec,
+                     static_cast<const input_t*>(p.z) + (bt * H + k.h0) * k.P,
+                     xrec * int(sizeof(input_t)));
+    }
+  }
+  if constexpr (CheckpointTraits<P>::kScaled) {
+    if (!k.fold) {  // the read copy's per-row scales
+      const std::int64_t ls = layer_slot(l, p.layer, k.slot);
+      copy_to_shared(k.ptr(k.at.scale()), l.ckpt_lo_scale + (ls * H + k.h0) * k.P, k.rows * 4);
+    }
+  }
+  cp_async_commit();
+  float* dts = k.ptr(k.at.dt());
+  float* decay = k.ptr(k.at.decay());
+  if (T > 0) {
+    for (int hl = threadIdx.x; hl < k.hpc; hl += blockDim.x) k.ptr(k.at.D())[hl] = p.D[k.h0 + hl];
+  }
+  for (int i = threadIdx.x; i < nrec * k.hpc; i += blockDim.x) {
+    const int j = i / k.hpc, h = k.h0 + i % k.hpc;
+    if (j < k.w) {
+      const std::int64_t rec = ring_record(l, p.layer, k.slot, folded + j);
+      dts[i] = l.ring_write[rec * H + h];
+      decay[i] = l.ring_decay[rec * H + h];
+    } else {
+      const std::int64_t bt = std::int64_t{k.b} * T + (j - k.w);
+      const float delta = softplus(p.dt[bt * H + h] + p.dt_bias[h]);
+      dts[i] = delta;
+      decay[i] = p.A[h] * delta;
+    }
+  }
+}
+
+// Plain copy shared -> global with the whole block (16-byte pieces when aligned).
+__device__ __forceinline__ void copy_to_global(void* gmem, const void* smem, int bytes) {
+  const auto s = reinterpret_cast<std::uintptr_t>(smem);
+  const auto g = reinterpret_cast<std::uintptr_t>(gmem);
+  if (((s | g | std::uintptr_t(bytes)) & 15u) == 0) {
+    for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
+      static_cast<uint4*>(gmem)[i] = static_cast<const uint4*>(smem)[i];
+    }
+  } else {
+    for (int i = threadIdx.x; i < bytes / 2; i += blockDim.x) {
+      static_cast<std::uint16_t*>(gmem)[i] = static_cast<const std::uint16_t*>(smem)[i];
+    }
+  }
+}
+
+// Step 1b, once the staging has landed: append the window to the ring at committed + t (x of
+// this block's heads, Δ, A·Δ; B by the block holding the group's first head), and step 2.
+template <typename input_t>
+__device__ void prepare(const Params& p, const Block& k, std::uint32_t committed) {
+  const StateCacheLayout& l = p.cache;
+  const int H = l.dims.heads, G = l.dims.key_heads;
+  const int xrec = k.hpc * k.P;
+  const input_t* xs = k.ptr<input_t>(k.at.x());
+  const input_t* Bs = k.ptr<input_t>(k.at.B());
+  const input_t* Cs = k.ptr<input_t>(k.at.C());
+  const float* dts = k.ptr(k.at.dt());
+  const float* decay = k.ptr(k.at.decay());
+  for (int t = 0; t < k.T; ++t) {
+    const std::int64_t rec = ring_record(l, p.layer, k.slot, committed + t);
+    const int j = k.w + t;
+    copy_to_global(static_cast<input_t*>(l.ring_vec) + (rec * H + k.h0) * k.P, xs + j * xrec,
+                   xrec * int(sizeof(input_t)));
+    if (k.h0 % (H / G) == 0) {
+      copy_to_global(static_cast<input_t*>(l.ring_key) + (rec * G + k.g) * kDstate,
+                     Bs + j * kDstate, kDstate * int(sizeof(input_t)));
+    }
+    for (int hl = threadIdx.x; hl < k.hpc; hl += blockDim.x) {
+      l.ring_write[rec * H + k.h0 + hl] = dts[j * k.hpc + hl];
+      l.ring_decay[rec * H + k.h0 + hl] = decay[j * k.hpc + hl];
+    }
+  }
+
+  // B and C as fp32 once, for the fold's and the dot products' inner loops.
+  float* Bf = k.ptr(k.at.Bf());
+  float* Cf = k.ptr(k.at.Cf());
+  for (int i = threadIdx.x; i < (k.w + k.T) * kDstate; i += blockDim.x) Bf[i] = to_float(Bs[i]);
+  for (int i = threadIdx.x; i < k.T * kDstate; i += blockDim.x) Cf[i] = to_float(Cs[i]);
+  __syncthreads();
+
+  // B_i·C_t for the records the outputs read, once for the group: one warp per product.
+  float* Gm = k.ptr(k.at.G());
+  const int warp = threadIdx.x / 32, lane32 = threadIdx.x % 32;
+  for (int d = warp; d < k.T * k.nout; d += blockDim.x / 32) {
+    const int t = d / k.nout, i = d % k.nout;
+    const float* Bi = Bf + (k.out0 + i) * kDstate;
+    const float* Ct = Cf + t * kDstate;
+    float dot = 0.0f;
+    for (int n = lane32; n < kDstate; n += 32) dot += Bi[n] * Ct[n];
+    dot = group_sum<32>(dot);
+    if (lane32 == 0) Gm[t * k.R + i] = dot;
+  }
+  // Per head: prefix sums of A·Δ in record order (as the CPU), fold and output decays.
+  float* cum = k.ptr(k.at.cum());
+  for (int hl = threadIdx.x; hl < k.hpc; hl += blockDim.x) {
+    float* c = cum + hl * k.R;
+    if (k.fold) {
+      float total = 0.0f;
+      for (int j = 0; j < k.w; ++j) {
+        total += decay[j * k.hpc + hl];
+        c[j] = total;
+      }
+      float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
+      for (int j = 0; j < k.w; ++j) weight[j] = dts[j * k.hpc + hl] * expf(total - c[j]);
+      k.ptr(k.at.fold_tau())[hl] = expf(total);
+    }
+    float total = 0.0f;
+    for (int i = 0; i < k.nout; ++i) {
+      total += decay[(k.out0 + i) * k.hpc + hl];
+      c[i] = total;
+    }
+    for (int t = 0; t < k.T; ++t) k.ptr(k.at.tau())[hl * k.Tm + t] = expf(c[k.nout - k.T + t]);
+  }
+  __syncthreads();
+  float* coef = k.ptr(k.at.coef());
+  const int per_head = k.T * k.nout;
+  for (int d = threadIdx.x; d < k.hpc * per_head; d += blockDim.x) {
+    const int hl = d / per_head, t = (d % per_head) / k.nout, i = d % k.nout;
+    const int last = k.nout - k.T + t;
+    const float* c = cum + hl * k.R;
+    float v = 0.0f;
+    if (i <= last) {
+      v = dts[(k.out0 + i) * k.hpc + hl] * expf(c[last] - c[i]) * Gm[t * k.R + i];
+    }
+    coef[(hl * k.Tm + t) * k.R + i] = v;
+  }
+  __syncthreads();
+}
+
+// Queues tile `tile` (rows [tile·kTileRows, +kTileRows) of the block's run) into its stage,
+// one cp.async group (empty past the end, so every iteration commits exactly one group).
+template <typename stream_t>
+__device__ __forceinline__ void issue_tile(const Block& k, const stream_t* src, int tile) {
+  constexpr int kRows = kTileRows<stream_t>;
+  const int row0 = tile * kRows;
+  if (row0 < k.rows) {
+    const int bytes = min(kRows, k.rows - row0) * kDstate * int(sizeof(stream_t));
+    unsigned char* dst = k.smem + k.at.pipe() + (tile % kStages) * kTileBytes;
+    const auto* from = reinterpret_cast<const unsigned char*>(src + std::int64_t{row0} * kDstate);
+    for (int c = threadIdx.x; c < bytes / 16; c += blockDim.x) {
+      cp_async_16(dst + c * 16, from + c * 16);
+    }
+  }
+  cp_async_commit();
+}
+
+// This lane's columns (in order_t's layout) of an fp32 row in shared memory.
+template <typename order_t>
+__device__ __forceinline__ void lane_columns(const float* row, float (&out)[kPerLane]) {
+  Split::gather<order_t>(row, threadIdx.x % kLanesPerRow, out);
+}
+
+// Step 3 for one row (this lane's 16 columns): `row` points at the row in its stage; (hl, p)
+// is its head within the block and its row within the head. c0 holds C_0's columns.
+template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
+__device__ __forceinline__ void process_row(const Block& k, const CheckpointHead<P>& ckpt,
+                                            const stream_t* row, int hl, int p, bool active,
+                                            const float (&c0)[kPerLane]) {
+  using order_t = stream_t;
+  const int lane = threadIdx.x % kLanesPerRow;
+  const int r = hl * k.P + p;
+  float v[kPerLane];
+  if (active) {
+    typename Split::template Fragment<stream_t> f;
+    f.load(row, lane);
+    f.unpack(v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) v[e] = 0.0f;
+  }
+  // fp8 read copy: S·C = scale·(q·C), the row's scale applied once to the sum.
+  float row_scale = 1.0f;
+  if constexpr (CheckpointTraits<P>::kScaled && !kFold) {
+    if (active) row_scale = k.ptr(k.at.scale())[r];
+  }
+  if constexpr (kFold) {
+    // S ← τ·S, then S += (weight_j·x_j[p])·B_j[n] record by record (cpu fold_head_mamba2).
+    const int xrec = k.hpc * k.P;
+    const input_t* xs = k.ptr<input_t>(k.at.x());
+    const float tau = k.ptr(k.at.fold_tau())[hl];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) v[e] *= tau;
+    const float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
+    const float* Bf = k.ptr(k.at.Bf());
+    for (int j = 0; j < k.w; ++j) {
+      float key[kPerLane];
+      lane_columns<order_t>(Bf + j * kDstate, key);
+      const float xw = active ? weight[j] * to_float(xs[j * xrec + r]) : 0.0f;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) v[e] += xw * key[e];
+    }
+    checkpoint_store<P, Split, order_t>(ckpt, r, lane, active, v);
+  }
+  // (S·C_t)[p]: this lane's 16 products, summed over the row's 8 lanes.
+  float* dots = k.ptr(k.at.dot());
+  for (int t = 0; t < k.T; ++t) {
+    float c[kPerLane];
+    if (t == 0) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) c[e] = c0[e];
+    } else {
+      lane_columns<order_t>(k.ptr(k.at.Cf()) + t * kDstate, c);
+    }
+    float part = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) part += v[e] * c[e];
+    part = group_sum<kLanesPerRow>(part);
+    if (active && lane == 0) dots[(hl * k.Tm + t) * k.P + p] = part * row_scale;
+  }
+}
+
+// Step 4: one thread per output element (head, t, p); stores run along head_dim.
+template <typename input_t>
+__device__ void write_outputs(const Params& p, const Block& k) {
+  const int H = p.cache.dims.heads, P = k.P, T = k.T;
+  const int xrec = k.hpc * P;
+  const input_t* xs = k.ptr<input_t>(k.at.x());
+  const float* dots = k.ptr(k.at.dot());
+  const float* tau = k.ptr(k.at.tau());
+  const float* coef_all = k.ptr(k.at.coef());
+  const input_t* zs = k.ptr<input_t>(k.at.z());
+  const float* Ds = k.ptr(k.at.D());
+  auto* y = static_cast<input_t*>(p.y);
+  for (int i = threadIdx.x; i < k.hpc * T * P; i += blockDim.x) {
+    const int hl = i / (T * P), t = (i / P) % T, r = i % P;
+    const int h = k.h0 + hl;
+    const int last = k.nout - T + t;
+    float acc = tau[hl * k.Tm + t] * dots[(hl * k.Tm + t) * P + r];
+    const float* coef = coef_all + (hl * k.Tm + t) * k.R;
+    const input_t* x = xs + k.out0 * xrec + hl * P + r;
+    for (int j = 0; j <= last; ++j) acc += coef[j] * to_float(x[j * xrec]);
+    const std::int64_t off = ((std::int64_t{k.b} * T + t) * H + h) * P + r;
+    float out = acc + Ds[hl] * to_float(x[last * xrec]);
+    if (p.z != nullptr) out *= silu(to_float(zs[t * xrec + hl * P + r]));
+    y[off] = from_float<input_t>(out);
+  }
+}
+
+// Steps 2–4 with the state streamed from `src` (master when folding, else read copy).
+// `queued`: the first kS tiles of src went out before the staging group (the kernel queues
+// them as soon as it knows the slot), so waiting for the staging waits for them too; else
+// they are queued here, after it.
+template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
+__device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ckpt,
+                    const stream_t* src, std::uint32_t committed, bool queued) {
+  constexpr int kS = kStages;
+  constexpr int kRows = kTileRows<stream_t>;
+  if (queued) {
+    cp_async_wait<0>();
+  } else {
+#pragma unroll 1
+    for (int s = 0; s < kS; ++s) issue_tile(k, src, s);
+    cp_async_wait<kS>();  // the staging group, committed before the tiles
+  }
+  __syncthreads();
+  prepare<input_t>(p, k, committed);
+
+  float c0[kPerLane] = {};
+  if (k.T > 0) lane_columns<stream_t>(k.ptr(k.at.Cf()), c0);
+  const int ntiles = (k.rows + kRows - 1) / kRows;
+  const int group = threadIdx.x / kLanesPerRow;
+  // This row group's next row: head within the block, row within the head. Row m of the group
+  // in a tile is tile row group + 32·m, so the rows a group visits advance by 32 each time.
+  int hl = group / k.P, pr = group % k.P;
+  for (int tile = 0; tile < ntiles; ++tile) {
+    cp_async_wait<kS - 1>();
+    __syncthreads();
+    const auto* stage =
+        reinterpret_cast<const stream_t*>(k.smem + k.at.pipe() + (tile % kS) * kTileBytes);
+#pragma unroll
+    for (int m = 0; m < kRowsPerGroup<stream_t>; ++m) {
+      process_row<input_t, P, stream_t, kFold>(
+          k, ckpt, stage + (m * kRowGroups + group) * kDstate, hl, pr, hl < k.hpc, c0);
+      for (pr += kRowGroups; pr >= k.P; pr -= k.P) ++hl;
+    }
+    __syncthreads();  // the stage is free again
+    issue_tile(k, src, tile + kS);
+  }
+  cp_async_wait<0>();
+  if (k.T == 0) return;
+  write_outputs<input_t>(p, k);
+  if (k.h0 == 0 && threadIdx.x == 0) p.cache.pending[k.slot] = static_cast<std::uint8_t>(k.T);
+}
+
+template <typename input_t, CheckpointPrecision P>
+__global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per SM
+    replay_kernel(const __grid_constant__ Params params) {
+  using Traits = CheckpointTraits<P>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const StateCacheLayout& l = params.cache;
+  Block k;
+  k.hpc = params.heads_per_cta;
+  k.h0 = blockIdx.x * k.hpc;
+  k.b = blockIdx.y;
+  k.g = k.h0 / (l.dims.heads / l.dims.key_heads);
+  k.P = l.dims.rows;
+  k.T = params.num_tokens;
+  k.R = max_records(l);
+  k.Tm = l.config.max_spec_tokens;
+  k.rows = k.hpc * k.P;
+  k.smem = smem;
+  k.at = ReplaySmem{k.R, k.Tm, k.P, k.hpc, int(sizeof(input_t))};
+
+  // The slot's flag and cursors in one round trip (reading them for an in-range slot is
+  // harmless even when it is free), and the read copy's first tiles too, before the cursors
+  // say whether a fold is due: it is what 15 of 16 steps stream (and all, where the read copy
+  // is the master); a fold of a dual checkpoint drops them and streams the master instead.
+  k.slot = slot_in_range(l, params.slot_ids, k.b);
+  if (k.slot < 0) return;
+  const bool allocated = slot_allocated(l, k.slot);
+  const std::uint32_t committed = l.committed[k.slot];
+  const std::uint32_t folded = l.folded[layer_slot(l, params.layer, k.slot)];
+  const CheckpointHead<P> ckpt(l, params.layer, k.slot, k.h0);
+  const bool early = params.num_tokens > 0;
+  if (early) {
+#pragma unroll 1
+    for (int s = 0; s < kStages; ++s) issue_tile(k, ckpt.read_row(0), s);
+  }
+  if (!allocated) {
+    cp_async_wait<0>();
+    return;
+  }
+  const std::uint32_t unfolded_count = committed - folded;
+  k.fold = fold_due(l, unfolded_count, k.T);
+  if (k.T == 0 && !k.fold) return;
+  // Clamped so that corrupt cursors can never index past the staging.
+  k.w = static_cast<int>(std::min<std::uint32_t>(unfolded_count, max_history(l)));
+  k.out0 = k.fold ? k.w : 0;
+  k.nout = (k.fold ? 0 : k.w) + k.T;
+
+  // A fold of a dual checkpoint streams the master: the read copy's tiles must land (and are
+  // dropped) before the master's reuse their stages.
+  const bool restream = early && k.fold && !Traits::kReadIsMaster;
+  if (restream) cp_async_wait<0>();
+  issue_staging<input_t, P>(params, k, folded);
+  const bool queued = early && !restream;
+  if (k.fold) {
+    run<input_t, P, typename Traits::master_t, true>(params, k, ckpt, ckpt.master_row(0),
+                                                     committed, queued);
+  } else {
+    run<input_t, P, typename Traits::read_t, false>(params, k, ckpt, ckpt.read_row(0),
+                                                    committed, queued);
+  }
+}
+
+// Heads per block: the most of one group (up to kMaxHeadsPerCta, a divisor of heads per
+// group) that still gives the GPU >= 4 blocks per SM; fewer at small batch.
+int pick_heads_per_cta(const StateCacheLayout& l, int batch, int sms, int max_hpc) {
+  const int hpg = l.dims.heads / l.dims.key_heads;
+  for (int hpc = std::min(hpg, max_hpc); hpc > 1; --hpc) {
+    if (hpg % hpc != 0) continue;
+    if (std::int64_t{batch} * (l.dims.heads / hpc) >= 4 * std::int64_t{sms}) return hpc;
+  }
+  return 1;
+}
+
+// The most heads a block takes: 8 where the step streams fp32, TODO per the measurement.
+template <CheckpointPrecision P>
+int max_heads_per_cta() {
+  return CheckpointTraits<P>::kHasLo ? kMaxHeadsPerCta : 8;
+}
+
+// Tuning override (benchmarks, tests of the wide blocks): REPLAYSSM_MAMBA2_HPC=n forces n heads
+// per block (rounded down to a divisor of heads per group) at every batch.
+int forced_heads_per_cta() {
+  static const int forced = [] {
+    const char* e = std::getenv("REPLAYSSM_MAMBA2_HPC");
+    return e != nullptr ? std::max(0, std::atoi(e)) : 0;
+  }();
+  return forced;
+}
+
+template <typename input_t, CheckpointPrecision P>
+Status launch(Params params) {
+  const StateCacheLayout& l = params.cache;
+  int device = 0, sms = 0, smem_limit = 0;
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  int hpc = pick_heads_per_cta(l, params.batch, sms, max_heads_per_cta<P>());
+  if (const int forced = forced_heads_per_cta(); forced > 0) {
+    const int hpg = l.dims.heads / l.dims.key_heads;
+    hpc = std::min(forced, hpg);
+    while (hpg % hpc != 0) --hpc;
+  }
+  auto smem_bytes = [&](int heads) {
+    return ReplaySmem{max_records(l), l.config.max_spec_tokens, l.dims.rows, heads,
+                      int(sizeof(input_t))}
+        .bytes();
+  };
+  while (hpc > 1 && smem_bytes(hpc) > smem_limit) {
+    do {
+      --hpc;
+    } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
+  }
+  const int smem = smem_bytes(hpc);
+  if (smem > smem_limit) {
+    return unsupported("mamba2 CUDA replay stages buffer_len + 2·max_spec_tokens records in " +
+                       std::to_string(smem) + " bytes of shared memory; this GPU allows " +
+                       std::to_string(smem_limit) + " (use a shorter buffer_len)");
+  }
+  params.heads_per_cta = hpc;
+  auto* kernel = replay_kernel<input_t, P>;
+  if (smem > 48 * 1024) {
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  // Shared memory over L1: three ~70 KB blocks per SM need the largest carveout.
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  const dim3 grid(static_cast<unsigned>(l.dims.heads / hpc), static_cast<unsigned>(params.batch));
+  kernel<<<grid, kReplayThreads, smem, launch_stream()>>>(params);
+  REPLAYSSM_CUDA_CHECK_LAUNCH("mamba2 replay kernel");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status launch_replay(const Params& params) {
+  const StateCacheConfig& c = params.cache.config;
+  return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
+    return CheckpointPrecisions::dispatch(c.checkpoint, "checkpoint precision", [&](auto prec) {
+      return launch<dtype_t<in.value>, prec.value>(params);
+    });
+  });
+}
+
+}  // namespace replayssm::cuda::mamba2

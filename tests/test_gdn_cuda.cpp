@@ -1,0 +1,699 @@
+// Gated DeltaNet decode on CUDA: the CUDA backend against the CPU backend (same Args, same
+// inputs, every mode, small and real shapes), against the float64 oracle over many fold cycles
+// (random acceptance, plain-decoding equivalence, dual precision flat in length), and the
+// properties only a device backend can break: bad device-resident slot ids, a verify that
+// commits nothing, ring appends, and decode steps captured into a CUDA graph.
+//
+// Tolerances, CUDA vs CPU, as max|o_cuda − o_cpu| / max|o_cpu| per decode call. Both backends
+// run the same arithmetic in another rounding order (FMA contraction on the GPU, 128-term dot
+// products and the k norm summed in another order), so fp32 paths agree to ~1e-6; what else
+// differs is a low-precision value rounding the other way (the ring holds the raw k, exact, and
+// both backends form k̂ = k·scale in fp32, so the ring itself adds no rounding):
+//   o in bf16: one bf16 ulp of an element, <= 2^-8 of max|o|               -> 8e-3
+//   bf16 read copy or eager state: a flipped element moves one term of a
+//   dot product by 2^-8 of itself                                           -> 2e-3 (f32 inputs)
+//   fp8 read copy: the two backends' fp32 masters differ by rounding order, so their fp8
+//   copies are two roundings of slightly different rows; a flipped element moves a term by
+//   2^-3 of itself, and with few terms (K = 16, 32) a couple of flips reach 3.7e-2 of max|o|
+//   (measured on the H200): within twice the fp8 copy's own error against the oracle
+//   (2^-4 of a row's max, test_gdn_cpu.cpp)                                 -> 2 · 2^-4
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cuda/common/stream.h"
+#include "replayssm/ops.h"
+#include "replayssm/state_cache.h"
+#include "testing/test_util.h"
+
+namespace replayssm {
+namespace {
+
+using testing::CacheBuffer;
+using testing::GdnCall;
+using testing::GdnTokens;
+using testing::Recipe;
+using testing::Rng;
+
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU"
+
+const GdnShape kSmall{2, 4, 32, 16};       // 2 value heads per key head
+const GdnShape kOdd{2, 6, 16, 7};          // G = 3, V = 7: G·V not a whole 16-byte run
+const GdnShape kQwen4b{16, 32, 128, 128};  // Qwen3.5-4B
+const GdnShape kQwen122b{16, 64, 128, 128};  // Qwen3.5-122B
+
+const double kBf16U = std::ldexp(1.0, -8);  // unit roundoff-ish: one bf16 ulp at 1.0
+const double kFp8U = std::ldexp(1.0, -4);
+const double kFp8TwoRoundings = 2 * kFp8U;
+
+constexpr CheckpointPrecision kAllPrecisions[] = {
+    CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
+    CheckpointPrecision::kFp32Fp8};
+
+std::string shape_tag(const GdnShape& s) {
+  return "Hk" + std::to_string(s.num_k_heads) + "Hv" + std::to_string(s.num_v_heads) + "K" +
+         std::to_string(s.head_k_dim) + "V" + std::to_string(s.head_v_dim);
+}
+
+// max|a − b| / max|b| over [begin, end); +inf when a holds a NaN or an Inf.
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b, std::size_t begin,
+                std::size_t end) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = begin; i < end; ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
+    den = std::max(den, std::fabs(double(b[i])));
+  }
+  return den > 0.0 ? num / den : num;
+}
+
+// ---- CUDA vs CPU, side by side ---------------------------------------------------------------
+
+struct SideCase {
+  const char* name;
+  GdnShape shape;
+  DecodeMode mode;
+  DType state = DType::kF32;                                    // eager
+  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  // replay
+  DType input = DType::kF32;
+  int buffer_len = 4;
+  int window = 1;  // T
+  int batch = 3;
+  int layers = 2;
+  int steps = 24;
+  int stagger = 0;  // row r joins at step r·stagger
+  bool qk_l2norm = true;
+  bool load_initial = true;  // start from a loaded random state (the prefill hand-off)
+};
+
+std::string side_name(const ::testing::TestParamInfo<SideCase>& info) {
+  const SideCase& c = info.param;
+  std::string n = std::string(c.name) + "_" + shape_tag(c.shape) + "_in" +
+                  testing::dtype_tag(c.input) + (c.qk_l2norm ? "" : "_rawqk");
+  if (c.mode == DecodeMode::kEager) return n + "_Eager" + testing::dtype_tag(c.state);
+  return n + "_Replay" + testing::precision_tag(c.checkpoint) + "_L" +
+         std::to_string(c.buffer_len) + "_T" + std::to_string(c.window) + "_stagger" +
+         std::to_string(c.stagger);
+}
+
+double output_tolerance(const SideCase& c) {
+  double tol = c.input == DType::kBF16 ? 8e-3 : 1e-4;
+  const bool low_state =
+      (c.mode == DecodeMode::kEager && c.state != DType::kF32) ||
+      (c.mode == DecodeMode::kReplay && (c.checkpoint == CheckpointPrecision::kBf16 ||
+                                         c.checkpoint == CheckpointPrecision::kFp32Bf16));
+  if (low_state) tol = std::max(tol, 2e-3);
+  if (c.mode == DecodeMode::kReplay && c.checkpoint == CheckpointPrecision::kFp32Fp8) {
+    tol = kFp8TwoRoundings;
+  }
+  return tol;
+}
+
+StateCacheConfig side_config(const SideCase& c) {
+  StateCacheConfig cfg;
+  cfg.kind = LayerKind::kGdn;
+  cfg.gdn = c.shape;
+  cfg.num_layers = c.layers;
+  cfg.capacity = c.batch + 2;  // slot 0 and the last one are guards no row uses
+  cfg.mode = c.mode;
+  cfg.input_dtype = c.input;
+  cfg.state_dtype = c.state;
+  cfg.buffer_len = c.buffer_len;
+  cfg.max_spec_tokens = c.window;
+  cfg.checkpoint = c.checkpoint;
+  return cfg;
+}
+
+class GdnCudaVsCpu : public ::testing::TestWithParam<SideCase> {};
+
+TEST_P(GdnCudaVsCpu, SameOutputsStatesAndCursors) {
+  SKIP_WITHOUT_GPU();
+  const SideCase c = GetParam();
+  const StateCacheConfig cfg = side_config(c);
+  StateCacheConfig gcfg = cfg;
+  gcfg.device = Device::kCuda;
+  std::unique_ptr<StateCache> cpu = testing::create_cache(cfg);
+  std::unique_ptr<StateCache> gpu = testing::create_cache(gcfg);
+  for (int i = 0; i < cfg.capacity; ++i) {
+    ASSERT_EQ(testing::allocate_slot(*cpu), testing::allocate_slot(*gpu));
+  }
+  const int guard_lo = 0, guard_hi = cfg.capacity - 1;
+
+  Rng rng(23);
+  const std::size_t se = std::size_t(state_dims(c.shape).state_elems());
+  if (c.load_initial) {
+    for (int layer = 0; layer < c.layers; ++layer) {
+      for (int r = 0; r < c.batch; ++r) {
+        std::vector<float> s(se);
+        for (float& v : s) v = float(rng.normal(0.0, 0.05));
+        ASSERT_TRUE(state_cache_load_state(*cpu, layer, r + 1, s.data()).is_ok());
+        const Status st = state_cache_load_state(*gpu, layer, r + 1, s.data());
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+      }
+    }
+  }
+  const std::vector<std::uint8_t> guard_lo_bytes = testing::slot_bytes(*gpu, guard_lo);
+  const std::vector<std::uint8_t> guard_hi_bytes = testing::slot_bytes(*gpu, guard_hi);
+
+  Recipe recipe;
+  recipe.unit_keys = !c.qk_l2norm;
+  const int rows = c.batch + 1;  // the last row is always a pad
+  const std::size_t per_row = std::size_t(c.window) * c.shape.num_v_heads * c.shape.head_v_dim;
+  const double tol = output_tolerance(c);
+  double worst = 0.0;
+  for (int step = 0; step < c.steps; ++step) {
+    std::vector<std::int32_t> slots(std::size_t(rows), -1);
+    for (int r = 0; r < c.batch; ++r) {
+      if (step >= r * c.stagger) slots[r] = r + 1;
+    }
+    for (int layer = 0; layer < c.layers; ++layer) {
+      const GdnTokens tk =
+          testing::make_gdn_tokens(c.shape, rows, c.window, c.input, recipe, rng);
+      const GdnCall cc = testing::make_gdn_call(*cpu, layer, slots, tk, c.qk_l2norm, 0.0f);
+      const GdnCall gc = testing::make_gdn_call(*gpu, layer, slots, tk, c.qk_l2norm, 0.0f);
+      ASSERT_TRUE(gdn_decode(*cpu, cc.args).is_ok());
+      const Status st = gdn_decode(*gpu, gc.args);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const std::vector<float> oc = cc.output(), og = gc.output();
+      for (int r = 0; r < rows; ++r) {
+        const std::size_t b = r * per_row, e = b + per_row;
+        if (slots[r] < 0) {
+          ASSERT_TRUE(std::all_of(og.begin() + b, og.begin() + e,
+                                  [](float v) { return std::isnan(v); }))
+              << "step " << step << ": pad row " << r << "'s output was written";
+          continue;
+        }
+        const double err = rel_diff(og, oc, b, e);
+        worst = std::max(worst, err);
+        ASSERT_LE(err, tol) << "step " << step << " layer " << layer << " row " << r;
+      }
+    }
+    std::vector<std::int32_t> accepted(std::size_t(rows), 0);
+    for (int r = 0; r < c.batch; ++r) {
+      if (slots[r] >= 0) accepted[r] = c.window == 1 ? 1 : rng.uniform_int(0, c.window);
+    }
+    ASSERT_TRUE(testing::commit(*cpu, slots, accepted).is_ok());
+    const Status st = testing::commit(*gpu, slots, accepted);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    for (int r = 0; r < c.batch; ++r) {
+      ASSERT_EQ(testing::cursor_committed(*gpu, r + 1), testing::cursor_committed(*cpu, r + 1));
+      ASSERT_EQ(testing::cursor_pending(*gpu, r + 1), testing::cursor_pending(*cpu, r + 1));
+      for (int layer = 0; layer < c.layers; ++layer) {
+        ASSERT_EQ(testing::cursor_folded(*gpu, layer, r + 1),
+                  testing::cursor_folded(*cpu, layer, r + 1))
+            << "step " << step << " layer " << layer << " row " << r;
+      }
+    }
+  }
+  EXPECT_EQ(testing::slot_bytes(*gpu, guard_lo), guard_lo_bytes) << "guard slot written";
+  EXPECT_EQ(testing::slot_bytes(*gpu, guard_hi), guard_hi_bytes) << "guard slot written";
+
+  // Materialised states (a replay cache folds first) agree as well.
+  for (int layer = 0; layer < c.layers; ++layer) {
+    for (int r = 0; r < c.batch; ++r) {
+      std::vector<float> sc(se), sg(se);
+      ASSERT_TRUE(state_cache_export_state(*cpu, layer, r + 1, sc.data()).is_ok());
+      const Status st = state_cache_export_state(*gpu, layer, r + 1, sg.data());
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_LE(rel_diff(sg, sc, 0, se), std::max(tol, 1e-5)) << "layer " << layer << " row " << r;
+    }
+  }
+  RecordProperty("max_rel_diff", std::to_string(worst));
+}
+
+std::vector<SideCase> side_cases() {
+  std::vector<SideCase> out;
+  // Eager, both state dtypes, an odd shape (rows past the head in the last pass), raw q/k.
+  for (DType input : {DType::kF32, DType::kBF16}) {
+    for (DType state : {DType::kF32, DType::kBF16}) {
+      SideCase c{"small", kOdd, DecodeMode::kEager};
+      c.state = state;
+      c.input = input;
+      c.steps = 12;
+      out.push_back(c);
+    }
+  }
+  SideCase raw{"small", kSmall, DecodeMode::kEager};
+  raw.qk_l2norm = false;
+  out.push_back(raw);
+  // Replay, every checkpoint precision, plain and speculative, staggered rows so that folds
+  // fall on different steps for different rows of one launch (mixed fill levels).
+  for (DType input : {DType::kF32, DType::kBF16}) {
+    for (CheckpointPrecision p : kAllPrecisions) {
+      SideCase plain{"small", kSmall, DecodeMode::kReplay};
+      plain.checkpoint = p;
+      plain.input = input;
+      plain.stagger = 1;
+      out.push_back(plain);
+      SideCase spec{"small", kOdd, DecodeMode::kReplay};
+      spec.checkpoint = p;
+      spec.input = input;
+      spec.buffer_len = 5;
+      spec.window = 4;
+      spec.steps = 30;
+      spec.stagger = 2;
+      out.push_back(spec);
+    }
+  }
+  SideCase wide{"small", kSmall, DecodeMode::kReplay};  // the widest window, raw q/k
+  wide.window = 8;
+  wide.buffer_len = 3;
+  wide.steps = 20;
+  wide.stagger = 1;
+  wide.qk_l2norm = false;
+  out.push_back(wide);
+  // The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps.
+  for (const GdnShape& s : {kQwen4b, kQwen122b}) {
+    for (DType state : {DType::kF32, DType::kBF16}) {
+      SideCase eager{"real", s, DecodeMode::kEager};
+      eager.state = state;
+      eager.input = DType::kBF16;
+      eager.layers = 1;
+      eager.batch = 2;
+      eager.steps = 6;
+      out.push_back(eager);
+    }
+    for (CheckpointPrecision p : kAllPrecisions) {
+      SideCase c{"real", s, DecodeMode::kReplay};
+      c.checkpoint = p;
+      c.input = DType::kBF16;
+      c.buffer_len = 16;
+      c.layers = 1;
+      c.batch = 2;
+      c.steps = 64;
+      c.stagger = 5;
+      out.push_back(c);
+    }
+  }
+  SideCase spec{"real", kQwen4b, DecodeMode::kReplay};
+  spec.checkpoint = CheckpointPrecision::kFp32Bf16;
+  spec.input = DType::kBF16;
+  spec.buffer_len = 16;
+  spec.window = 4;
+  spec.layers = 1;
+  spec.batch = 2;
+  spec.steps = 64;
+  spec.stagger = 3;
+  out.push_back(spec);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GdnCudaVsCpu, ::testing::ValuesIn(side_cases()), side_name);
+
+// ---- CUDA vs the float64 oracle over many cycles (the shared driver) -------------------------
+
+struct OracleCase {
+  CheckpointPrecision checkpoint;
+  DType input;
+  int window;
+  GdnShape shape;
+};
+
+class GdnCudaOracle : public ::testing::TestWithParam<OracleCase> {};
+
+// Random acceptance, staggered rows, guard slots, a freed slot, pad rows (the driver checks
+// each), and every accepted output equal to plain decoding's on the accepted stream.
+TEST_P(GdnCudaOracle, ReplayMatchesOracleAndPlainDecoding) {
+  SKIP_WITHOUT_GPU();
+  const OracleCase c = GetParam();
+  testing::RunSpec spec;
+  spec.cache.kind = LayerKind::kGdn;
+  spec.cache.gdn = c.shape;
+  spec.cache.device = Device::kCuda;
+  spec.cache.mode = DecodeMode::kReplay;
+  spec.cache.checkpoint = c.checkpoint;
+  spec.cache.input_dtype = c.input;
+  spec.cache.num_layers = 2;
+  spec.cache.buffer_len = 4;
+  spec.cache.max_spec_tokens = c.window;
+  spec.batch = 4;
+  spec.steps = 40;  // 10 fold cycles
+  spec.window = c.window;
+  spec.stagger = 1;
+  spec.compare_plain = c.window > 1;
+  spec.guard_slots = 2;
+  const testing::RunResult r = testing::run_gdn(spec);
+  ASSERT_TRUE(r.failure.empty()) << r.failure;
+  EXPECT_GE(r.max_distinct_fill_levels, 2);
+  RecordProperty("max_error", std::to_string(r.max_error));
+  if (c.input == DType::kF32 && c.checkpoint == CheckpointPrecision::kFp32) {
+    EXPECT_LE(r.max_error, 1e-5);
+    EXPECT_LE(r.export_error, 1e-5);
+    if (c.window > 1) {
+      EXPECT_LE(r.plain_max_error, 1e-5);
+    }
+  } else {
+    // fp8: the read copy alone is within 2^-4 of a row's max (test_gdn_cpu.cpp). The window
+    // cache and the plain one fold at different points of the stream, so their fp8 copies
+    // are roundings of different states: up to twice that apart.
+    const bool fp8 = c.checkpoint == CheckpointPrecision::kFp32Fp8;
+    EXPECT_LE(r.max_error, fp8 ? 2 * kFp8U : 2e-2);
+    if (c.window > 1) {
+      EXPECT_LE(r.plain_max_error, fp8 ? kFp8TwoRoundings : 2e-2);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GdnCudaOracle,
+    ::testing::Values(OracleCase{CheckpointPrecision::kFp32, DType::kF32, 1, kSmall},
+                      OracleCase{CheckpointPrecision::kFp32, DType::kF32, 4, kSmall},
+                      OracleCase{CheckpointPrecision::kFp32, DType::kF32, 3, kOdd},
+                      OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 1, kSmall},
+                      OracleCase{CheckpointPrecision::kBf16, DType::kBF16, 4, kSmall},
+                      OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4, kSmall}),
+    [](const ::testing::TestParamInfo<OracleCase>& p) {
+      return testing::precision_tag(p.param.checkpoint) + "_in" +
+             testing::dtype_tag(p.param.input) + "_T" + std::to_string(p.param.window) + "_" +
+             shape_tag(p.param.shape);
+    });
+
+// Dual precision over a long memory (ALGORITHM.md §6, §10; the CPU version is
+// test_dual_precision.cpp): g ≈ −0.001 and β ~ U(0.02, 0.06), about 1,000 tokens of memory,
+// 1,000 steps at L = 16. fp32+bf16 stays flat; shared bf16 grows and ends well above it.
+TEST(GdnCuda, DualPrecisionErrorIsFlatInLength) {
+  SKIP_WITHOUT_GPU();
+  constexpr int kSteps = 1000;
+  testing::RunSpec spec;
+  spec.cache.kind = LayerKind::kGdn;
+  spec.cache.gdn = kSmall;
+  spec.cache.device = Device::kCuda;
+  spec.cache.mode = DecodeMode::kReplay;
+  spec.cache.input_dtype = DType::kF32;
+  spec.cache.buffer_len = 16;
+  spec.recipe.g_fixed = -0.001;
+  spec.recipe.beta_lo = 0.02;
+  spec.recipe.beta_hi = 0.06;
+  spec.batch = 2;
+  spec.steps = kSteps;
+  spec.seed = 901;
+  spec.guard_slots = 0;
+  auto mean = [](const std::vector<double>& v, int from, int to) {
+    return std::accumulate(v.begin() + from, v.begin() + to, 0.0) / double(to - from);
+  };
+  double early[4] = {}, late[4] = {}, worst[4] = {};
+  for (int i = 0; i < 4; ++i) {
+    spec.cache.checkpoint = kAllPrecisions[i];
+    const testing::RunResult r = testing::run_gdn(spec);
+    ASSERT_EQ(r.failure, "") << checkpoint_precision_name(kAllPrecisions[i]);
+    ASSERT_EQ(r.step_error.size(), std::size_t(kSteps));
+    early[i] = mean(r.step_error, 100, 200);
+    late[i] = mean(r.step_error, 900, 1000);
+    worst[i] = r.max_error;
+    std::printf("[ curve    ] gdn cuda %-9s early %.3e  late %.3e  max %.3e\n",
+                checkpoint_precision_name(kAllPrecisions[i]), early[i], late[i], worst[i]);
+  }
+  // The CPU test's criteria (test_dual_precision.cpp, L = 16). Measured on the H200, mean
+  // error over steps 100-200 / 900-1000: fp32+bf16 1.700e-3 / 1.739e-3, fp32+fp8 2.49e-2 /
+  // 2.61e-2, shared bf16 3.57e-3 / 6.58e-3 (the CPU backend: 3.57e-3 / 6.34e-3).
+  EXPECT_LE(worst[0], 1e-5);                     // fp32
+  EXPECT_LE(late[2], 1.25 * early[2]);           // fp32+bf16: flat
+  EXPECT_LE(worst[2], 2 * kBf16U);
+  EXPECT_LE(late[3], 1.25 * early[3]);           // fp32+fp8: flat
+  EXPECT_LE(worst[3], 2 * kFp8U);
+  EXPECT_GE(late[1], 1.5 * early[1]);            // shared bf16 grows ...
+  EXPECT_GE(late[1], 3.0 * late[2]);             // ... and ends well above fp32+bf16
+}
+
+// ---- device-only properties ------------------------------------------------------------------
+
+StateCacheConfig replay_config(CheckpointPrecision p, int capacity, int window) {
+  StateCacheConfig cfg;
+  cfg.kind = LayerKind::kGdn;
+  cfg.gdn = kSmall;
+  cfg.num_layers = 2;
+  cfg.capacity = capacity;
+  cfg.device = Device::kCuda;
+  cfg.mode = DecodeMode::kReplay;
+  cfg.input_dtype = DType::kBF16;
+  cfg.buffer_len = 4;
+  cfg.max_spec_tokens = window;
+  cfg.checkpoint = p;
+  return cfg;
+}
+
+// Runs `steps` decode + commit steps of every layer with fresh inputs.
+void run_steps(StateCache& cache, const std::vector<std::int32_t>& slots, int window, int steps,
+               Rng& rng) {
+  const StateCacheConfig& cfg = cache.config();
+  for (int step = 0; step < steps; ++step) {
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      const GdnTokens tk = testing::make_gdn_tokens(cfg.gdn, int(slots.size()), window,
+                                                    cfg.input_dtype, Recipe{}, rng);
+      const GdnCall call = testing::make_gdn_call(cache, layer, slots, tk, true, 0.0f);
+      ASSERT_TRUE(gdn_decode(cache, call.args).is_ok());
+    }
+    std::vector<std::int32_t> accepted(slots.size());
+    for (auto& a : accepted) a = rng.uniform_int(0, window);
+    ASSERT_TRUE(testing::commit(cache, slots, accepted).is_ok());
+  }
+}
+
+TEST(GdnCuda, VerifyThatCommitsNothingLeavesCheckpointBitIdentical) {
+  SKIP_WITHOUT_GPU();
+  for (CheckpointPrecision p : kAllPrecisions) {
+    SCOPED_TRACE(checkpoint_precision_name(p));
+    std::unique_ptr<StateCache> cache = testing::create_cache(replay_config(p, 3, 4));
+    std::vector<std::int32_t> slots;
+    for (int i = 0; i < 3; ++i) slots.push_back(testing::allocate_slot(*cache));
+    Rng rng(5);
+    run_steps(*cache, slots, 4, 7, rng);
+    ASSERT_TRUE(testing::fold(*cache, slots).is_ok());  // nothing due at the next decode
+    const std::vector<std::string> ckpt = {"ckpt_hi", "ckpt_lo", "ckpt_lo_scale", "folded",
+                                           "committed"};
+    const testing::CacheBytes before = testing::snapshot(*cache, ckpt);
+    const GdnTokens tk = testing::make_gdn_tokens(kSmall, 3, 4, DType::kBF16, Recipe{}, rng);
+    std::vector<std::uint8_t> first;
+    for (int rep = 0; rep < 2; ++rep) {
+      const GdnCall call = testing::make_gdn_call(*cache, 1, slots, tk, true, 0.0f);
+      ASSERT_TRUE(gdn_decode(*cache, call.args).is_ok());
+      ASSERT_TRUE(testing::commit(*cache, slots, {0, 0, 0}).is_ok());
+      EXPECT_EQ(testing::diff(testing::snapshot(*cache, ckpt), before), "");
+      // The same window verified again gives bit-identical outputs.
+      if (rep == 0) first = call.o.bytes();
+      if (rep == 1) {
+        EXPECT_EQ(call.o.bytes(), first);
+      }
+    }
+  }
+}
+
+// Ring records are data movement: the CUDA ring holds the CPU ring's bytes exactly (raw k, v,
+// β, g), in every input dtype, with and without q/k normalisation. The keys' normalisation
+// factors (ring_key_scale) are 1 exactly without it, and with it agree to the rounding of a
+// K-term fp32 sum of squares taken in another order.
+TEST(GdnCuda, RingAppendsAreBitExact) {
+  SKIP_WITHOUT_GPU();
+  for (int variant = 0; variant < 4; ++variant) {
+    const DType input = variant % 2 == 0 ? DType::kF32 : DType::kBF16;
+    const bool l2norm = variant >= 2;
+    SCOPED_TRACE(std::string(dtype_name(input)) + (l2norm ? " l2norm" : " raw q/k"));
+    StateCacheConfig cfg = replay_config(CheckpointPrecision::kFp32, 3, 3);
+    cfg.input_dtype = input;
+    cfg.device = Device::kCpu;
+    StateCacheConfig gcfg = cfg;
+    gcfg.device = Device::kCuda;
+    std::unique_ptr<StateCache> cpu = testing::create_cache(cfg);
+    std::unique_ptr<StateCache> gpu = testing::create_cache(gcfg);
+    std::vector<std::int32_t> slots;
+    for (int i = 0; i < 3; ++i) {
+      slots.push_back(testing::allocate_slot(*cpu));
+      ASSERT_EQ(testing::allocate_slot(*gpu), slots.back());
+    }
+    slots[1] = -1;
+    Rng rng(31);
+    Recipe recipe;
+    recipe.unit_keys = !l2norm;
+    for (int step = 0; step < 9; ++step) {
+      for (int layer = 0; layer < cfg.num_layers; ++layer) {
+        const GdnTokens tk = testing::make_gdn_tokens(kSmall, 3, 3, input, recipe, rng);
+        const GdnCall cc = testing::make_gdn_call(*cpu, layer, slots, tk, l2norm, 0.0f);
+        const GdnCall gc = testing::make_gdn_call(*gpu, layer, slots, tk, l2norm, 0.0f);
+        ASSERT_TRUE(gdn_decode(*cpu, cc.args).is_ok());
+        ASSERT_TRUE(gdn_decode(*gpu, gc.args).is_ok());
+      }
+      const std::vector<std::int32_t> accepted = {step % 4, 0, 3 - step % 4};
+      ASSERT_TRUE(testing::commit(*cpu, slots, accepted).is_ok());
+      ASSERT_TRUE(testing::commit(*gpu, slots, accepted).is_ok());
+    }
+    const std::vector<std::string> ring = {"ring_key", "ring_vec", "ring_write", "ring_decay",
+                                           "committed", "folded", "pending"};
+    EXPECT_EQ(testing::diff(testing::snapshot(*gpu, ring), testing::snapshot(*cpu, ring)), "");
+
+    // ring_key_scale, every record (both backends' allocations start zeroed): exactly the
+    // CPU's without normalisation (all 1), within sum-order rounding with it.
+    const std::vector<std::uint8_t> gs =
+        testing::snapshot(*gpu, {"ring_key_scale"})["ring_key_scale"];
+    const std::vector<std::uint8_t> cs =
+        testing::snapshot(*cpu, {"ring_key_scale"})["ring_key_scale"];
+    ASSERT_EQ(gs.size(), cs.size());
+    ASSERT_EQ(gs.size() % 4, 0u);
+    std::vector<float> g(gs.size() / 4), c(cs.size() / 4);
+    std::memcpy(g.data(), gs.data(), gs.size());
+    std::memcpy(c.data(), cs.data(), cs.size());
+    int compared = 0;
+    for (std::size_t i = 0; i < c.size(); ++i) {
+      if (c[i] == 0.0f || !l2norm) {
+        ASSERT_EQ(g[i], c[i]) << "ring_key_scale[" << i << "]";
+        if (c[i] != 0.0f) {
+          ASSERT_EQ(c[i], 1.0f) << "ring_key_scale[" << i << "]";
+        }
+      } else {
+        ASSERT_LE(std::fabs(double(g[i]) - double(c[i])), 1e-5 * std::fabs(double(c[i])))
+            << "ring_key_scale[" << i << "]: cuda " << g[i] << " cpu " << c[i];
+      }
+      compared += c[i] != 0.0f;
+    }
+    EXPECT_GT(compared, 0);
+  }
+}
+
+TEST(GdnCuda, BadDeviceSlotIdsTouchNothing) {
+  SKIP_WITHOUT_GPU();
+  for (DecodeMode mode : {DecodeMode::kEager, DecodeMode::kReplay}) {
+    StateCacheConfig cfg = replay_config(CheckpointPrecision::kFp32Fp8, 4, 1);
+    cfg.mode = mode;
+    std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
+    const int a = testing::allocate_slot(*cache);
+    const int freed = testing::allocate_slot(*cache);
+    ASSERT_TRUE(state_cache_free_slot(*cache, freed).is_ok());
+    // Out of range both ways, a pad, a slot that is not allocated: no row may touch memory.
+    const std::vector<std::int32_t> slots = {cfg.capacity + 5, -7, -1, freed, 1 << 30};
+    Rng rng(9);
+    const GdnTokens tk =
+        testing::make_gdn_tokens(kSmall, int(slots.size()), 1, cfg.input_dtype, Recipe{}, rng);
+    const testing::CacheBytes before = testing::snapshot(*cache);
+    const GdnCall call = testing::make_gdn_call(*cache, 0, slots, tk, true, 0.0f);
+    ASSERT_TRUE(gdn_decode(*cache, call.args).is_ok());
+    if (mode == DecodeMode::kReplay) {
+      ASSERT_TRUE(testing::commit(*cache, slots, {1, 1, 1, 1, 1}).is_ok());
+      ASSERT_TRUE(testing::fold(*cache, slots).is_ok());
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(testing::diff(testing::snapshot(*cache), before), "");
+    const std::vector<float> o = call.output();
+    EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float v) { return std::isnan(v); }));
+    (void)a;
+  }
+}
+
+TEST(GdnCuda, UnsupportedConfigsNameWhatIsSupported) {
+  SKIP_WITHOUT_GPU();
+  auto decode_status = [](const StateCacheConfig& cfg) {
+    std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
+    const int slot = testing::allocate_slot(*cache);
+    Rng rng(1);
+    const GdnTokens tk = testing::make_gdn_tokens(cfg.gdn, 1, 1, cfg.input_dtype, Recipe{}, rng);
+    const GdnCall call = testing::make_gdn_call(*cache, 0, {slot}, tk, true, 0.0f);
+    return gdn_decode(*cache, call.args);
+  };
+  StateCacheConfig k100 = replay_config(CheckpointPrecision::kFp32, 1, 1);
+  k100.gdn.head_k_dim = 100;
+  Status st = decode_status(k100);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("head_k_dim 100; supported: 16, 32, 48, 64, 80, 96, 112, 128"),
+            std::string::npos)
+      << st.message();
+
+  StateCacheConfig v256 = replay_config(CheckpointPrecision::kFp32, 1, 1);
+  v256.gdn.head_v_dim = 256;
+  st = decode_status(v256);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("head_v_dim 256; supported: 1 to 128"), std::string::npos)
+      << st.message();
+
+  StateCacheConfig f16 = replay_config(CheckpointPrecision::kFp32, 1, 1);
+  f16.input_dtype = DType::kF16;
+  st = decode_status(f16);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("supported: f32, bf16"), std::string::npos) << st.message();
+
+  StateCacheConfig eager16 = replay_config(CheckpointPrecision::kFp32, 1, 1);
+  eager16.mode = DecodeMode::kEager;
+  eager16.state_dtype = DType::kF16;
+  st = decode_status(eager16);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("state dtype f16; supported: f32, bf16"), std::string::npos)
+      << st.message();
+}
+
+// A whole decode step (every layer's decode and the commit) captured once into a CUDA graph and
+// replayed: the same bytes and outputs as issuing the same calls on a stream. Speculative
+// windows with a fixed acceptance pattern, so folds fall due inside the replays (the fold
+// decision is taken on the device).
+TEST(GdnCuda, GraphCapturedStepsMatchStreamExecution) {
+  SKIP_WITHOUT_GPU();
+  constexpr int kSteps = 11;
+  for (CheckpointPrecision p : {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Fp8}) {
+    SCOPED_TRACE(checkpoint_precision_name(p));
+    const StateCacheConfig cfg = replay_config(p, 3, 3);
+    std::unique_ptr<StateCache> direct = testing::create_cache(cfg);
+    std::unique_ptr<StateCache> graphed = testing::create_cache(cfg);
+    std::vector<std::int32_t> slots;
+    for (int i = 0; i < 3; ++i) {
+      slots.push_back(testing::allocate_slot(*direct));
+      ASSERT_EQ(testing::allocate_slot(*graphed), slots.back());
+    }
+    slots.push_back(-1);
+    Rng rng(11);
+    std::vector<GdnCall> direct_calls, graph_calls;
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      const GdnTokens tk = testing::make_gdn_tokens(kSmall, 4, 3, cfg.input_dtype, Recipe{}, rng);
+      direct_calls.push_back(testing::make_gdn_call(*direct, layer, slots, tk, true, 0.0f));
+      graph_calls.push_back(testing::make_gdn_call(*graphed, layer, slots, tk, true, 0.0f));
+    }
+    const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
+    CacheBuffer slot_buf = CacheBuffer::from_vector(Device::kCuda, slots);
+    CacheBuffer accepted_buf = CacheBuffer::from_vector(Device::kCuda, accepted);
+    CommitArgs commit;
+    commit.batch = 4;
+    commit.slot_ids = slot_buf.as<const std::int32_t>();
+    commit.accepted = accepted_buf.as<const std::int32_t>();
+
+    for (int step = 0; step < kSteps; ++step) {
+      for (const GdnCall& c : direct_calls) ASSERT_TRUE(gdn_decode(*direct, c.args).is_ok());
+      ASSERT_TRUE(state_cache_commit(*direct, commit).is_ok());
+    }
+
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    {
+      cuda::ScopedLaunchStream on(stream);
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      for (const GdnCall& c : graph_calls) {
+        const Status st = gdn_decode(*graphed, c.args);
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+      }
+      ASSERT_TRUE(state_cache_commit(*graphed, commit).is_ok());
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    }
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int step = 0; step < kSteps; ++step) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+    EXPECT_GT(testing::cursor_committed(*graphed, slots[0]), std::uint32_t(cfg.buffer_len));
+    EXPECT_EQ(testing::diff(testing::snapshot(*graphed), testing::snapshot(*direct)), "");
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      EXPECT_EQ(graph_calls[layer].o.bytes(), direct_calls[layer].o.bytes());
+    }
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  }
+}
+
+}  // namespace
+}  // namespace replayssm

@@ -1,0 +1,567 @@
+// Mamba-2 decode on CUDA: the CUDA backend against the CPU backend (same Args, same inputs,
+// every mode), against the float64 oracle over many fold cycles, and the properties only a
+// device backend can break: bad device-resident slot ids, a verify that commits nothing, and
+// decode steps captured into a CUDA graph.
+//
+// Tolerances, CUDA vs CPU, as max|y_cuda − y_cpu| / max|y_cpu| per decode call. The two
+// backends run the same arithmetic in a different rounding order (FMA contraction on the GPU,
+// dot products of 128 terms summed in another order), so fp32 paths agree to ~1e-6; what else
+// differs is an output or a low-precision state element rounding the other way:
+//   y in bf16: one bf16 ulp of an element, <= 2^-8 of max|y|            -> 8e-3
+//   bf16 read copy / bf16 or f16 eager state: a flipped element moves one dot product term
+//   by 2^-8 of itself                                                    -> 2e-3 (f32 inputs)
+//   fp8 read copy: a flipped element moves a term by 2^-3 of itself     -> 2e-2
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda/common/stream.h"
+#include "replayssm/ops.h"
+#include "replayssm/state_cache.h"
+#include "testing/test_util.h"
+
+namespace replayssm {
+namespace {
+
+using testing::CacheBuffer;
+using testing::Mamba2Call;
+using testing::Mamba2Layer;
+using testing::Mamba2Tokens;
+using testing::Recipe;
+using testing::Rng;
+
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU"
+
+const Mamba2Shape kSmall{4, 16, 128, 2};      // 2 heads per group
+const Mamba2Shape kOddRows{6, 20, 128, 3};    // head_dim 20: threads with rows past the head
+const Mamba2Shape kNano4b{96, 80, 128, 8};    // Nemotron-3-Nano-4B
+const Mamba2Shape kSuper120b{128, 64, 128, 8};  // Nemotron-3-Super-120B
+
+std::string shape_tag(const Mamba2Shape& s) {
+  return "H" + std::to_string(s.nheads) + "P" + std::to_string(s.head_dim) + "N" +
+         std::to_string(s.dstate) + "G" + std::to_string(s.ngroups);
+}
+
+// max|a − b| / max|b| over [begin, end); +inf when a holds a NaN or an Inf.
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b, std::size_t begin,
+                std::size_t end) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = begin; i < end; ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
+    den = std::max(den, std::fabs(double(b[i])));
+  }
+  return den > 0.0 ? num / den : num;
+}
+
+// ---- CUDA vs CPU, side by side ---------------------------------------------------------------
+
+struct SideCase {
+  const char* name;
+  Mamba2Shape shape;
+  DecodeMode mode;
+  DType state = DType::kF32;  // eager
+  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  // replay
+  DType input = DType::kF32;
+  int buffer_len = 4;
+  int window = 1;      // T
+  int batch = 3;
+  int layers = 2;
+  int steps = 24;
+  int stagger = 0;     // row r joins at step r·stagger
+  bool gate = true;
+  bool load_initial = true;  // start from a loaded random state (the prefill hand-off)
+};
+
+std::string side_name(const ::testing::TestParamInfo<SideCase>& info) {
+  const SideCase& c = info.param;
+  std::string n = std::string(c.name) + "_" + shape_tag(c.shape) + "_in" +
+                  testing::dtype_tag(c.input);
+  if (c.mode == DecodeMode::kEager) return n + "_Eager" + testing::dtype_tag(c.state);
+  return n + "_Replay" + testing::precision_tag(c.checkpoint) + "_L" +
+         std::to_string(c.buffer_len) + "_T" + std::to_string(c.window) + "_stagger" +
+         std::to_string(c.stagger);
+}
+
+double output_tolerance(const SideCase& c) {
+  double tol = c.input == DType::kBF16 ? 8e-3 : 1e-4;
+  const bool low_state =
+      (c.mode == DecodeMode::kEager && c.state != DType::kF32) ||
+      (c.mode == DecodeMode::kReplay && (c.checkpoint == CheckpointPrecision::kBf16 ||
+                                         c.checkpoint == CheckpointPrecision::kFp32Bf16));
+  if (low_state) tol = std::max(tol, 2e-3);
+  if (c.mode == DecodeMode::kReplay && c.checkpoint == CheckpointPrecision::kFp32Fp8) tol = 2e-2;
+  return tol;
+}
+
+// The exported state is the master copy: fp32 except in eager bf16/f16 and shared-bf16 caches,
+// whose elements can round the other way and then evolve apart by a few ulps.
+double state_tolerance(const SideCase& c) {
+  const bool low_master = (c.mode == DecodeMode::kEager && c.state != DType::kF32) ||
+                          (c.mode == DecodeMode::kReplay && c.checkpoint == CheckpointPrecision::kBf16);
+  return low_master ? 1.6e-2 : 1e-4;
+}
+
+class Mamba2CudaVsCpu : public ::testing::TestWithParam<SideCase> {};
+
+TEST_P(Mamba2CudaVsCpu, SameOutputsStatesAndCursors) {
+  SKIP_WITHOUT_GPU();
+  const SideCase c = GetParam();
+  StateCacheConfig cfg;
+  cfg.kind = LayerKind::kMamba2;
+  cfg.mamba2 = c.shape;
+  cfg.num_layers = c.layers;
+  cfg.capacity = c.batch + 2;  // slot 0 and the last one are guards no row uses
+  cfg.mode = c.mode;
+  cfg.input_dtype = c.input;
+  cfg.state_dtype = c.state;
+  cfg.buffer_len = c.buffer_len;
+  cfg.max_spec_tokens = c.window;
+  cfg.checkpoint = c.checkpoint;
+  StateCacheConfig gcfg = cfg;
+  gcfg.device = Device::kCuda;
+  std::unique_ptr<StateCache> cpu = testing::create_cache(cfg);
+  std::unique_ptr<StateCache> gpu = testing::create_cache(gcfg);
+  for (int i = 0; i < cfg.capacity; ++i) {
+    ASSERT_EQ(testing::allocate_slot(*cpu), testing::allocate_slot(*gpu));
+  }
+  const int guard_lo = 0, guard_hi = cfg.capacity - 1;
+
+  Rng rng(17);
+  const std::size_t se = std::size_t(state_dims(c.shape).state_elems());
+  if (c.load_initial) {
+    for (int layer = 0; layer < c.layers; ++layer) {
+      for (int r = 0; r < c.batch; ++r) {
+        std::vector<float> s(se);
+        for (float& v : s) v = float(rng.normal(0.0, 0.5));
+        ASSERT_TRUE(state_cache_load_state(*cpu, layer, r + 1, s.data()).is_ok());
+        ASSERT_TRUE(state_cache_load_state(*gpu, layer, r + 1, s.data()).is_ok());
+      }
+    }
+  }
+  const std::vector<std::uint8_t> guard_lo_bytes = testing::slot_bytes(*gpu, guard_lo);
+  const std::vector<std::uint8_t> guard_hi_bytes = testing::slot_bytes(*gpu, guard_hi);
+
+  Recipe recipe;
+  std::vector<Mamba2Layer> params;
+  for (int layer = 0; layer < c.layers; ++layer) {
+    params.push_back(testing::make_mamba2_layer(c.shape, recipe, rng));
+  }
+  const int rows = c.batch + 1;  // the last row is always a pad
+  const std::size_t per_row = std::size_t(c.window) * c.shape.nheads * c.shape.head_dim;
+  const double tol = output_tolerance(c);
+  double worst = 0.0;
+  for (int step = 0; step < c.steps; ++step) {
+    std::vector<std::int32_t> slots(std::size_t(rows), -1);
+    for (int r = 0; r < c.batch; ++r) {
+      if (step >= r * c.stagger) slots[r] = r + 1;
+    }
+    for (int layer = 0; layer < c.layers; ++layer) {
+      const Mamba2Tokens tk =
+          testing::make_mamba2_tokens(c.shape, rows, c.window, c.input, c.gate, recipe, rng);
+      const Mamba2Call cc = testing::make_mamba2_call(*cpu, layer, slots, params[layer], tk);
+      const Mamba2Call gc = testing::make_mamba2_call(*gpu, layer, slots, params[layer], tk);
+      ASSERT_TRUE(mamba2_decode(*cpu, cc.args).is_ok());
+      const Status st = mamba2_decode(*gpu, gc.args);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const std::vector<float> yc = cc.output(), yg = gc.output();
+      for (int r = 0; r < rows; ++r) {
+        const std::size_t b = r * per_row, e = b + per_row;
+        if (slots[r] < 0) {
+          ASSERT_TRUE(std::all_of(yg.begin() + b, yg.begin() + e, [](float v) { return std::isnan(v); }))
+              << "step " << step << ": pad row " << r << "'s output was written";
+          continue;
+        }
+        const double err = rel_diff(yg, yc, b, e);
+        worst = std::max(worst, err);
+        ASSERT_LE(err, tol) << "step " << step << " layer " << layer << " row " << r;
+      }
+    }
+    std::vector<std::int32_t> accepted(std::size_t(rows), 0);
+    for (int r = 0; r < c.batch; ++r) {
+      if (slots[r] >= 0) accepted[r] = c.window == 1 ? 1 : rng.uniform_int(0, c.window);
+    }
+    ASSERT_TRUE(testing::commit(*cpu, slots, accepted).is_ok());
+    ASSERT_TRUE(testing::commit(*gpu, slots, accepted).is_ok());
+    for (int r = 0; r < c.batch; ++r) {
+      ASSERT_EQ(testing::cursor_committed(*gpu, r + 1), testing::cursor_committed(*cpu, r + 1));
+      ASSERT_EQ(testing::cursor_pending(*gpu, r + 1), testing::cursor_pending(*cpu, r + 1));
+      for (int layer = 0; layer < c.layers; ++layer) {
+        ASSERT_EQ(testing::cursor_folded(*gpu, layer, r + 1),
+                  testing::cursor_folded(*cpu, layer, r + 1))
+            << "step " << step << " layer " << layer << " row " << r;
+      }
+    }
+  }
+  EXPECT_EQ(testing::slot_bytes(*gpu, guard_lo), guard_lo_bytes) << "guard slot written";
+  EXPECT_EQ(testing::slot_bytes(*gpu, guard_hi), guard_hi_bytes) << "guard slot written";
+
+  // Materialised states (a replay cache folds first) agree as well.
+  for (int layer = 0; layer < c.layers; ++layer) {
+    for (int r = 0; r < c.batch; ++r) {
+      std::vector<float> sc(se), sg(se);
+      ASSERT_TRUE(state_cache_export_state(*cpu, layer, r + 1, sc.data()).is_ok());
+      const Status st = state_cache_export_state(*gpu, layer, r + 1, sg.data());
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_LE(rel_diff(sg, sc, 0, se), state_tolerance(c)) << "layer " << layer << " row " << r;
+    }
+  }
+  RecordProperty("max_rel_diff", std::to_string(worst));
+}
+
+std::vector<SideCase> side_cases() {
+  std::vector<SideCase> out;
+  // Eager, every state dtype, odd head_dim (rows past the head in the last pass).
+  for (DType input : {DType::kF32, DType::kBF16}) {
+    for (DType state : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SideCase c{"small", kOddRows, DecodeMode::kEager};
+      c.state = state;
+      c.input = input;
+      c.steps = 12;
+      out.push_back(c);
+    }
+  }
+  // Replay, every checkpoint precision, plain and speculative, staggered rows so that folds
+  // fall on different steps for different rows of one launch.
+  for (DType input : {DType::kF32, DType::kBF16}) {
+    for (CheckpointPrecision p :
+         {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
+          CheckpointPrecision::kFp32Fp8}) {
+      SideCase plain{"small", kSmall, DecodeMode::kReplay};
+      plain.checkpoint = p;
+      plain.input = input;
+      plain.stagger = 1;
+      out.push_back(plain);
+      SideCase spec{"small", kOddRows, DecodeMode::kReplay};
+      spec.checkpoint = p;
+      spec.input = input;
+      spec.buffer_len = 5;
+      spec.window = 4;
+      spec.steps = 30;
+      spec.stagger = 2;
+      out.push_back(spec);
+    }
+  }
+  // The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps.
+  for (const Mamba2Shape& s : {kNano4b, kSuper120b}) {
+    SideCase eager{"real", s, DecodeMode::kEager};
+    eager.input = DType::kBF16;
+    eager.layers = 1;
+    eager.batch = 2;
+    eager.steps = 6;
+    out.push_back(eager);
+    for (CheckpointPrecision p :
+         {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
+          CheckpointPrecision::kFp32Fp8}) {
+      SideCase c{"real", s, DecodeMode::kReplay};
+      c.checkpoint = p;
+      c.input = DType::kBF16;
+      c.buffer_len = 16;
+      c.layers = 1;
+      c.batch = 2;
+      c.steps = 64;
+      c.stagger = 5;
+      out.push_back(c);
+    }
+  }
+  SideCase spec{"real", kSuper120b, DecodeMode::kReplay};
+  spec.checkpoint = CheckpointPrecision::kFp32Bf16;
+  spec.input = DType::kBF16;
+  spec.buffer_len = 16;
+  spec.window = 4;
+  spec.layers = 1;
+  spec.batch = 2;
+  spec.steps = 64;
+  spec.stagger = 3;
+  out.push_back(spec);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Mamba2CudaVsCpu, ::testing::ValuesIn(side_cases()), side_name);
+
+// ---- CUDA vs the float64 oracle over many cycles (the shared driver) -------------------------
+
+struct OracleCase {
+  CheckpointPrecision checkpoint;
+  DType input;
+  int window;
+};
+
+std::string oracle_name(const ::testing::TestParamInfo<OracleCase>& info) {
+  return testing::precision_tag(info.param.checkpoint) + "_in" +
+         testing::dtype_tag(info.param.input) + "_T" + std::to_string(info.param.window);
+}
+
+class Mamba2CudaOracle : public ::testing::TestWithParam<OracleCase> {};
+
+TEST_P(Mamba2CudaOracle, ReplayMatchesOracleAndPlainDecoding) {
+  SKIP_WITHOUT_GPU();
+  const OracleCase c = GetParam();
+  testing::RunSpec spec;
+  spec.cache.kind = LayerKind::kMamba2;
+  spec.cache.mamba2 = kSmall;
+  spec.cache.device = Device::kCuda;
+  spec.cache.mode = DecodeMode::kReplay;
+  spec.cache.checkpoint = c.checkpoint;
+  spec.cache.input_dtype = c.input;
+  spec.cache.num_layers = 2;
+  spec.cache.buffer_len = 4;
+  spec.cache.max_spec_tokens = c.window;
+  spec.batch = 4;
+  spec.steps = 40;  // 10 fold cycles
+  spec.window = c.window;
+  spec.stagger = 1;
+  spec.gate = true;
+  spec.compare_plain = c.window > 1;
+  spec.guard_slots = 2;
+  const testing::RunResult r = testing::run_mamba2(spec);
+  ASSERT_TRUE(r.failure.empty()) << r.failure;
+  EXPECT_GE(r.max_distinct_fill_levels, 2);
+  if (c.input == DType::kF32 && c.checkpoint == CheckpointPrecision::kFp32) {
+    EXPECT_LE(r.max_error, 1e-5);
+    EXPECT_LE(r.export_error, 1e-5);
+    if (c.window > 1) {
+      EXPECT_LE(r.plain_max_error, 1e-5);
+    }
+  } else {
+    // A window and plain decoding fold at different positions, so they read differently
+    // rounded copies: up to about twice the read copy's own error apart.
+    const double tol = c.checkpoint == CheckpointPrecision::kFp32Fp8 ? 5e-2 : 2e-2;
+    EXPECT_LE(r.max_error, tol);
+    if (c.window > 1) {
+      EXPECT_LE(r.plain_max_error, 2.0 * tol);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, Mamba2CudaOracle,
+    ::testing::Values(OracleCase{CheckpointPrecision::kFp32, DType::kF32, 1},
+                      OracleCase{CheckpointPrecision::kFp32, DType::kF32, 4},
+                      OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 1},
+                      OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4}),
+    oracle_name);
+
+// ---- device-only properties ------------------------------------------------------------------
+
+StateCacheConfig replay_config(CheckpointPrecision p, int capacity, int window) {
+  StateCacheConfig cfg;
+  cfg.kind = LayerKind::kMamba2;
+  cfg.mamba2 = kSmall;
+  cfg.num_layers = 2;
+  cfg.capacity = capacity;
+  cfg.device = Device::kCuda;
+  cfg.mode = DecodeMode::kReplay;
+  cfg.input_dtype = DType::kBF16;
+  cfg.buffer_len = 4;
+  cfg.max_spec_tokens = window;
+  cfg.checkpoint = p;
+  return cfg;
+}
+
+// Runs `steps` decode + commit steps of every layer with fresh inputs.
+void run_steps(StateCache& cache, const std::vector<std::int32_t>& slots,
+               const std::vector<Mamba2Layer>& params, int window, int steps, Rng& rng) {
+  const StateCacheConfig& cfg = cache.config();
+  for (int step = 0; step < steps; ++step) {
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      const Mamba2Tokens tk = testing::make_mamba2_tokens(
+          cfg.mamba2, int(slots.size()), window, cfg.input_dtype, false, Recipe{}, rng);
+      const Mamba2Call call = testing::make_mamba2_call(cache, layer, slots, params[layer], tk);
+      ASSERT_TRUE(mamba2_decode(cache, call.args).is_ok());
+    }
+    std::vector<std::int32_t> accepted(slots.size());
+    for (auto& a : accepted) a = rng.uniform_int(0, window);
+    ASSERT_TRUE(testing::commit(cache, slots, accepted).is_ok());
+  }
+}
+
+TEST(Mamba2Cuda, VerifyThatCommitsNothingLeavesCheckpointBitIdentical) {
+  SKIP_WITHOUT_GPU();
+  for (CheckpointPrecision p : {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16,
+                                CheckpointPrecision::kFp32Bf16, CheckpointPrecision::kFp32Fp8}) {
+    SCOPED_TRACE(checkpoint_precision_name(p));
+    std::unique_ptr<StateCache> cache = testing::create_cache(replay_config(p, 3, 4));
+    std::vector<std::int32_t> slots;
+    for (int i = 0; i < 3; ++i) slots.push_back(testing::allocate_slot(*cache));
+    Rng rng(5);
+    std::vector<Mamba2Layer> params;
+    for (int layer = 0; layer < 2; ++layer) {
+      params.push_back(testing::make_mamba2_layer(kSmall, Recipe{}, rng));
+    }
+    run_steps(*cache, slots, params, 4, 7, rng);
+    ASSERT_TRUE(testing::fold(*cache, slots).is_ok());  // nothing due at the next decode
+    const std::vector<std::string> ckpt = {"ckpt_hi", "ckpt_lo", "ckpt_lo_scale", "folded",
+                                           "committed"};
+    const testing::CacheBytes before = testing::snapshot(*cache, ckpt);
+    const Mamba2Tokens tk =
+        testing::make_mamba2_tokens(kSmall, 3, 4, DType::kBF16, true, Recipe{}, rng);
+    std::vector<std::uint8_t> first;
+    for (int rep = 0; rep < 2; ++rep) {
+      const Mamba2Call call = testing::make_mamba2_call(*cache, 1, slots, params[1], tk);
+      ASSERT_TRUE(mamba2_decode(*cache, call.args).is_ok());
+      ASSERT_TRUE(testing::commit(*cache, slots, {0, 0, 0}).is_ok());
+      EXPECT_EQ(testing::diff(testing::snapshot(*cache, ckpt), before), "");
+      // The same window verified again gives bit-identical outputs.
+      if (rep == 0) {
+        first = call.y.bytes();
+      } else {
+        EXPECT_EQ(call.y.bytes(), first);
+      }
+    }
+  }
+}
+
+TEST(Mamba2Cuda, CommitClampsToThePendingWindow) {
+  SKIP_WITHOUT_GPU();
+  std::unique_ptr<StateCache> cache =
+      testing::create_cache(replay_config(CheckpointPrecision::kFp32, 2, 2));
+  const std::vector<std::int32_t> slots = {testing::allocate_slot(*cache),
+                                           testing::allocate_slot(*cache)};
+  Rng rng(3);
+  const Mamba2Layer params = testing::make_mamba2_layer(kSmall, Recipe{}, rng);
+  const Mamba2Tokens tk = testing::make_mamba2_tokens(kSmall, 2, 2, DType::kBF16, false, Recipe{}, rng);
+  const Mamba2Call call = testing::make_mamba2_call(*cache, 0, slots, params, tk);
+  ASSERT_TRUE(mamba2_decode(*cache, call.args).is_ok());
+  ASSERT_EQ(testing::cursor_pending(*cache, slots[0]), 2);
+  // Device-resident counts are not validated on the host: a count past the window is clamped.
+  ASSERT_TRUE(testing::commit(*cache, slots, {7, -3}).is_ok());
+  EXPECT_EQ(testing::cursor_committed(*cache, slots[0]), 2u);
+  EXPECT_EQ(testing::cursor_committed(*cache, slots[1]), 0u);
+  EXPECT_EQ(testing::cursor_pending(*cache, slots[0]), 0);
+}
+
+TEST(Mamba2Cuda, BadDeviceSlotIdsTouchNothing) {
+  SKIP_WITHOUT_GPU();
+  for (DecodeMode mode : {DecodeMode::kEager, DecodeMode::kReplay}) {
+    StateCacheConfig cfg = replay_config(CheckpointPrecision::kFp32Fp8, 4, 1);
+    cfg.mode = mode;
+    std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
+    const int a = testing::allocate_slot(*cache);
+    const int freed = testing::allocate_slot(*cache);
+    ASSERT_TRUE(state_cache_free_slot(*cache, freed).is_ok());
+    // Out of range both ways, a pad, a slot that is not allocated: no row may touch memory.
+    const std::vector<std::int32_t> slots = {cfg.capacity + 5, -7, -1, freed, 1 << 30};
+    Rng rng(9);
+    const Mamba2Layer params = testing::make_mamba2_layer(kSmall, Recipe{}, rng);
+    const Mamba2Tokens tk =
+        testing::make_mamba2_tokens(kSmall, int(slots.size()), 1, cfg.input_dtype, true, Recipe{}, rng);
+    const testing::CacheBytes before = testing::snapshot(*cache);
+    const Mamba2Call call = testing::make_mamba2_call(*cache, 0, slots, params, tk);
+    ASSERT_TRUE(mamba2_decode(*cache, call.args).is_ok());
+    ASSERT_TRUE(testing::commit(*cache, slots, {1, 1, 1, 1, 1}).is_ok());
+    ASSERT_TRUE(testing::fold(*cache, slots).is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(testing::diff(testing::snapshot(*cache), before), "");
+    const std::vector<float> y = call.output();
+    EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return std::isnan(v); }));
+    (void)a;
+  }
+}
+
+TEST(Mamba2Cuda, UnsupportedConfigsNameWhatIsSupported) {
+  SKIP_WITHOUT_GPU();
+  StateCacheConfig cfg = replay_config(CheckpointPrecision::kFp32, 1, 1);
+  cfg.mamba2.dstate = 64;
+  std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
+  const int slot = testing::allocate_slot(*cache);
+  Rng rng(1);
+  const Mamba2Layer params = testing::make_mamba2_layer(cfg.mamba2, Recipe{}, rng);
+  const Mamba2Tokens tk = testing::make_mamba2_tokens(cfg.mamba2, 1, 1, cfg.input_dtype, false, Recipe{}, rng);
+  const Mamba2Call call = testing::make_mamba2_call(*cache, 0, {slot}, params, tk);
+  const Status st = mamba2_decode(*cache, call.args);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("dstate 64; supported: 128"), std::string::npos) << st.message();
+
+  StateCacheConfig f16 = replay_config(CheckpointPrecision::kFp32, 1, 1);
+  f16.input_dtype = DType::kF16;
+  std::unique_ptr<StateCache> c16 = testing::create_cache(f16);
+  const int s16 = testing::allocate_slot(*c16);
+  const Mamba2Tokens t16 = testing::make_mamba2_tokens(kSmall, 1, 1, DType::kF16, false, Recipe{}, rng);
+  const Mamba2Layer p16 = testing::make_mamba2_layer(kSmall, Recipe{}, rng);
+  const Mamba2Call call16 = testing::make_mamba2_call(*c16, 0, {s16}, p16, t16);
+  const Status st16 = mamba2_decode(*c16, call16.args);
+  EXPECT_EQ(st16.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st16.message().find("supported: f32, bf16"), std::string::npos) << st16.message();
+}
+
+// A whole decode step (every layer's decode and the commit) captured once into a CUDA graph and
+// replayed: the same bytes and outputs as issuing the same calls on a stream. Speculative
+// windows with a fixed acceptance pattern, so folds fall due inside the replays (the fold
+// decision is made on the device).
+TEST(Mamba2Cuda, GraphCapturedStepsMatchStreamExecution) {
+  SKIP_WITHOUT_GPU();
+  constexpr int kSteps = 11;
+  for (CheckpointPrecision p : {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Fp8}) {
+    SCOPED_TRACE(checkpoint_precision_name(p));
+    const StateCacheConfig cfg = replay_config(p, 3, 3);
+    std::unique_ptr<StateCache> direct = testing::create_cache(cfg);
+    std::unique_ptr<StateCache> graphed = testing::create_cache(cfg);
+    std::vector<std::int32_t> slots;
+    for (int i = 0; i < 3; ++i) {
+      slots.push_back(testing::allocate_slot(*direct));
+      ASSERT_EQ(testing::allocate_slot(*graphed), slots.back());
+    }
+    slots.push_back(-1);
+    Rng rng(11);
+    std::vector<Mamba2Layer> params;
+    std::vector<Mamba2Call> direct_calls, graph_calls;
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      params.push_back(testing::make_mamba2_layer(kSmall, Recipe{}, rng));
+      const Mamba2Tokens tk =
+          testing::make_mamba2_tokens(kSmall, 4, 3, cfg.input_dtype, true, Recipe{}, rng);
+      direct_calls.push_back(testing::make_mamba2_call(*direct, layer, slots, params[layer], tk));
+      graph_calls.push_back(testing::make_mamba2_call(*graphed, layer, slots, params[layer], tk));
+    }
+    const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
+    CacheBuffer slot_buf = CacheBuffer::from_vector(Device::kCuda, slots);
+    CacheBuffer accepted_buf = CacheBuffer::from_vector(Device::kCuda, accepted);
+    CommitArgs commit;
+    commit.batch = 4;
+    commit.slot_ids = slot_buf.as<const std::int32_t>();
+    commit.accepted = accepted_buf.as<const std::int32_t>();
+
+    for (int step = 0; step < kSteps; ++step) {
+      for (const Mamba2Call& c : direct_calls) ASSERT_TRUE(mamba2_decode(*direct, c.args).is_ok());
+      ASSERT_TRUE(state_cache_commit(*direct, commit).is_ok());
+    }
+
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    {
+      cuda::ScopedLaunchStream on(stream);
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      for (const Mamba2Call& c : graph_calls) {
+        const Status st = mamba2_decode(*graphed, c.args);
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+      }
+      ASSERT_TRUE(state_cache_commit(*graphed, commit).is_ok());
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    }
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int step = 0; step < kSteps; ++step) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+    EXPECT_GT(testing::cursor_committed(*graphed, slots[0]), std::uint32_t(cfg.buffer_len));
+    EXPECT_EQ(testing::diff(testing::snapshot(*graphed), testing::snapshot(*direct)), "");
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      EXPECT_EQ(graph_calls[layer].y.bytes(), direct_calls[layer].y.bytes());
+    }
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  }
+}
+
+}  // namespace
+}  // namespace replayssm
