@@ -138,7 +138,7 @@ void replay_group(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRo
     }
     // acc[t][p] = τ_t·(S_c·C_t)[p]: one pass over the checkpoint's read copy for all T tokens.
     checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), C, T, acc,
-                      scratch(5, std::size_t(T) * RowDots::kLanes * P));
+                      scratch(5, std::size_t(T) * RowDots::kLanes * P + N));
     for (int t = 0; t < T; ++t) {
       const std::uint32_t last = w + static_cast<std::uint32_t>(t);
       float* acc_t = acc + std::size_t(t) * P;

@@ -75,7 +75,7 @@ inline constexpr int kRowGroups = kReplayThreads / kLanesPerRow;  // 32
 inline constexpr int kTileBytes = 16 * 1024;
 inline constexpr int kStages = 2;
 inline constexpr int kPipeBytes = kStages * kTileBytes;
-inline constexpr int kMaxHeadsPerCta = 16;
+inline constexpr int kMaxHeadsPerCta = 8;
 
 /// Shared-memory carve-up of a replay block, in bytes (16-byte aligned pieces).
 struct ReplaySmem {
@@ -101,9 +101,7 @@ struct ReplaySmem {
   __host__ __device__ int G() const { return tau() + align16(hpc * Tm * 4); }       // [Tm][R]
   __host__ __device__ int coef() const { return G() + align16(Tm * R * 4); }        // [hpc][Tm][R]
   __host__ __device__ int dot() const { return coef() + align16(hpc * Tm * R * 4); }  // [hpc][Tm][P]
-  __host__ __device__ int z() const { return dot() + align16(hpc * Tm * P * 4); }  // [Tm][hpc][P] input
-  __host__ __device__ int D() const { return z() + align16(Tm * hpc * P * in_bytes); }  // [hpc]
-  __host__ __device__ int bytes() const { return D() + align16(hpc * 4); }
+  __host__ __device__ int bytes() const { return dot() + align16(hpc * Tm * P * 4); }
 };
 
 /// kOk when this build has a kernel for the cache's config, else kUnsupported naming the

@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "common/numeric.h"
@@ -98,14 +97,6 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
                    static_cast<const input_t*>(p.C) + (bt * G + k.g) * kDstate,
                    kDstate * int(sizeof(input_t)));
   }
-  if (p.z != nullptr) {  // the gate of the window, read by step 4 from shared memory
-    for (int t = 0; t < T; ++t) {
-      const std::int64_t bt = std::int64_t{k.b} * T + t;
-      copy_to_shared(k.ptr<input_t>(k.at.z()) + t * xrec,
-                     static_cast<const input_t*>(p.z) + (bt * H + k.h0) * k.P,
-                     xrec * int(sizeof(input_t)));
-    }
-  }
   if constexpr (CheckpointTraits<P>::kScaled) {
     if (!k.fold) {  // the read copy's per-row scales
       const std::int64_t ls = layer_slot(l, p.layer, k.slot);
@@ -115,9 +106,6 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
   cp_async_commit();
   float* dts = k.ptr(k.at.dt());
   float* decay = k.ptr(k.at.decay());
-  if (T > 0) {
-    for (int hl = threadIdx.x; hl < k.hpc; hl += blockDim.x) k.ptr(k.at.D())[hl] = p.D[k.h0 + hl];
-  }
   for (int i = threadIdx.x; i < nrec * k.hpc; i += blockDim.x) {
     const int j = i / k.hpc, h = k.h0 + i % k.hpc;
     if (j < k.w) {
@@ -322,8 +310,7 @@ __device__ void write_outputs(const Params& p, const Block& k) {
   const float* dots = k.ptr(k.at.dot());
   const float* tau = k.ptr(k.at.tau());
   const float* coef_all = k.ptr(k.at.coef());
-  const input_t* zs = k.ptr<input_t>(k.at.z());
-  const float* Ds = k.ptr(k.at.D());
+  const auto* z = static_cast<const input_t*>(p.z);
   auto* y = static_cast<input_t*>(p.y);
   for (int i = threadIdx.x; i < k.hpc * T * P; i += blockDim.x) {
     const int hl = i / (T * P), t = (i / P) % T, r = i % P;
@@ -334,28 +321,21 @@ __device__ void write_outputs(const Params& p, const Block& k) {
     const input_t* x = xs + k.out0 * xrec + hl * P + r;
     for (int j = 0; j <= last; ++j) acc += coef[j] * to_float(x[j * xrec]);
     const std::int64_t off = ((std::int64_t{k.b} * T + t) * H + h) * P + r;
-    float out = acc + Ds[hl] * to_float(x[last * xrec]);
-    if (p.z != nullptr) out *= silu(to_float(zs[t * xrec + hl * P + r]));
+    float out = acc + p.D[h] * to_float(x[last * xrec]);
+    if (z != nullptr) out *= silu(to_float(z[off]));
     y[off] = from_float<input_t>(out);
   }
 }
 
 // Steps 2–4 with the state streamed from `src` (master when folding, else read copy).
-// `queued`: the first kS tiles of src went out before the staging group (the kernel queues
-// them as soon as it knows the slot), so waiting for the staging waits for them too; else
-// they are queued here, after it.
 template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
 __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ckpt,
-                    const stream_t* src, std::uint32_t committed, bool queued) {
+                    const stream_t* src, std::uint32_t committed) {
   constexpr int kS = kStages;
   constexpr int kRows = kTileRows<stream_t>;
-  if (queued) {
-    cp_async_wait<0>();
-  } else {
 #pragma unroll 1
-    for (int s = 0; s < kS; ++s) issue_tile(k, src, s);
-    cp_async_wait<kS>();  // the staging group, committed before the tiles
-  }
+  for (int s = 0; s < kS; ++s) issue_tile(k, src, s);
+  cp_async_wait<kS>();  // the staging group, committed before the tiles
   __syncthreads();
   prepare<input_t>(p, k, committed);
 
@@ -405,25 +385,10 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   k.smem = smem;
   k.at = ReplaySmem{k.R, k.Tm, k.P, k.hpc, int(sizeof(input_t))};
 
-  // The slot's flag and cursors in one round trip (reading them for an in-range slot is
-  // harmless even when it is free), and the read copy's first tiles too, before the cursors
-  // say whether a fold is due: it is what 15 of 16 steps stream (and all, where the read copy
-  // is the master); a fold of a dual checkpoint drops them and streams the master instead.
-  k.slot = slot_in_range(l, params.slot_ids, k.b);
+  k.slot = resolve_slot(l, params.slot_ids, k.b);
   if (k.slot < 0) return;
-  const bool allocated = slot_allocated(l, k.slot);
   const std::uint32_t committed = l.committed[k.slot];
   const std::uint32_t folded = l.folded[layer_slot(l, params.layer, k.slot)];
-  const CheckpointHead<P> ckpt(l, params.layer, k.slot, k.h0);
-  const bool early = params.num_tokens > 0;
-  if (early) {
-#pragma unroll 1
-    for (int s = 0; s < kStages; ++s) issue_tile(k, ckpt.read_row(0), s);
-  }
-  if (!allocated) {
-    cp_async_wait<0>();
-    return;
-  }
   const std::uint32_t unfolded_count = committed - folded;
   k.fold = fold_due(l, unfolded_count, k.T);
   if (k.T == 0 && !k.fold) return;
@@ -432,46 +397,26 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   k.out0 = k.fold ? k.w : 0;
   k.nout = (k.fold ? 0 : k.w) + k.T;
 
-  // A fold of a dual checkpoint streams the master: the read copy's tiles must land (and are
-  // dropped) before the master's reuse their stages.
-  const bool restream = early && k.fold && !Traits::kReadIsMaster;
-  if (restream) cp_async_wait<0>();
   issue_staging<input_t, P>(params, k, folded);
-  const bool queued = early && !restream;
+  const CheckpointHead<P> ckpt(l, params.layer, k.slot, k.h0);
   if (k.fold) {
     run<input_t, P, typename Traits::master_t, true>(params, k, ckpt, ckpt.master_row(0),
-                                                     committed, queued);
+                                                     committed);
   } else {
     run<input_t, P, typename Traits::read_t, false>(params, k, ckpt, ckpt.read_row(0),
-                                                    committed, queued);
+                                                    committed);
   }
 }
 
 // Heads per block: the most of one group (up to kMaxHeadsPerCta, a divisor of heads per
 // group) that still gives the GPU >= 4 blocks per SM; fewer at small batch.
-int pick_heads_per_cta(const StateCacheLayout& l, int batch, int sms, int max_hpc) {
+int pick_heads_per_cta(const StateCacheLayout& l, int batch, int sms) {
   const int hpg = l.dims.heads / l.dims.key_heads;
-  for (int hpc = std::min(hpg, max_hpc); hpc > 1; --hpc) {
+  for (int hpc = std::min(hpg, kMaxHeadsPerCta); hpc > 1; --hpc) {
     if (hpg % hpc != 0) continue;
     if (std::int64_t{batch} * (l.dims.heads / hpc) >= 4 * std::int64_t{sms}) return hpc;
   }
   return 1;
-}
-
-// The most heads a block takes: 8 where the step streams fp32, TODO per the measurement.
-template <CheckpointPrecision P>
-int max_heads_per_cta() {
-  return CheckpointTraits<P>::kHasLo ? kMaxHeadsPerCta : 8;
-}
-
-// Tuning override (benchmarks, tests of the wide blocks): REPLAYSSM_MAMBA2_HPC=n forces n heads
-// per block (rounded down to a divisor of heads per group) at every batch.
-int forced_heads_per_cta() {
-  static const int forced = [] {
-    const char* e = std::getenv("REPLAYSSM_MAMBA2_HPC");
-    return e != nullptr ? std::max(0, std::atoi(e)) : 0;
-  }();
-  return forced;
 }
 
 template <typename input_t, CheckpointPrecision P>
@@ -483,12 +428,7 @@ Status launch(Params params) {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   REPLAYSSM_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  int hpc = pick_heads_per_cta(l, params.batch, sms, max_heads_per_cta<P>());
-  if (const int forced = forced_heads_per_cta(); forced > 0) {
-    const int hpg = l.dims.heads / l.dims.key_heads;
-    hpc = std::min(forced, hpg);
-    while (hpg % hpc != 0) --hpc;
-  }
+  int hpc = pick_heads_per_cta(l, params.batch, sms);
   auto smem_bytes = [&](int heads) {
     return ReplaySmem{max_records(l), l.config.max_spec_tokens, l.dims.rows, heads,
                       int(sizeof(input_t))}

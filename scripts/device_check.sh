@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Everything the GPU needs checking, in one device call: build (sm_90), the CUDA tests through
+# ctest, `replayssm run --device cuda` on the golden traces against their float64 outputs, and
+# the CUDA benchmarks (protocol cases, spec verify) with JSON and plots under $OUT.
+#   run: command "scripts/device_check.sh", carry [".deps"] (nlohmann/ and CLI/ headers,
+#   copied from this machine's /usr/include: the GPU machine has no apt).
+#   DEVICE_CHECK_BENCH=0 skips the benchmarks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH
+log() { echo "[device_check $(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>"$OUT/summary.txt" 2>&1
+log "$(cmake --version | head -1); $(nvcc --version | tail -1)"
+cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DREPLAYSSM_ENABLE_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="90-real;80-virtual" \
+  -DREPLAYSSM_THIRD_PARTY_INCLUDE="$PWD/.deps/include" >/tmp/build.log 2>&1 ||
+  { log "configure failed"; tail -20 /tmp/build.log; exit 1; }
+cmake --build build-dev -j"$(nproc)" >>/tmp/build.log 2>&1 ||
+  { log "build failed"; grep -E "error" /tmp/build.log | head -30; exit 1; }
+log "built"
+
+ctest --test-dir build-dev -L cuda -j8 --timeout 300 >"$OUT/ctest_cuda.log" 2>&1
+log "ctest -L cuda: rc=$? $(grep -E 'tests passed|tests failed' "$OUT/ctest_cuda.log")"
+grep -E "\*\*\*Failed|Not Run|Timeout" "$OUT/ctest_cuda.log" | head -20 | tee -a "$OUT/summary.txt"
+
+# The tool itself on the golden traces, every mode, against the float64 expected files.
+for trace in mamba2_small gdn_small; do
+  for mode in "--mode eager" "--mode replay -L 1" "--mode replay -L 16" "-L 4 -T 4 --accept-seed 3" \
+              "-L 4 --checkpoint fp32+bf16" "-L 4 --checkpoint fp32+fp8" "-L 4 --checkpoint bf16"; do
+    build-dev/tools/replayssm run --device cuda --trace tests/data/$trace.safetensors \
+      --out /tmp/out.safetensors $mode >/dev/null 2>>"$OUT/summary.txt" || { log "run failed: $trace $mode"; continue; }
+    python3 - "$trace" "$mode" <<'PY' | tee -a "$OUT/summary.txt"
+import sys
+from safetensors.numpy import load_file
+trace, mode = sys.argv[1], sys.argv[2]
+got, ref = load_file("/tmp/out.safetensors"), load_file(f"tests/data/{trace}.expected.safetensors")
+out = "y" if "y" in ref else "o"
+def rel(a, b): return float(abs(a.astype("float64") - b).max() / abs(b).max())
+print(f"golden {trace:13s} {mode:28s} out {rel(got[out], ref[out]):.2e}  state {rel(got['state'], ref['state']):.2e}")
+PY
+  done
+done
+
+if [ "${DEVICE_CHECK_BENCH:-1}" = 1 ]; then
+  build-dev/tools/replayssm bench --device cuda --shape all --batch 1,64,256,1024 \
+    --checkpoint fp32,bf16,fp32+bf16,fp32+fp8 --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
+  log "bench aligned rc=$?"
+  build-dev/tools/replayssm bench --device cuda --shape all --batch 256 --flush staggered \
+    --checkpoint fp32,bf16,fp32+bf16,fp32+fp8 --json "$OUT/bench_staggered.json" >>"$OUT/bench.txt" 2>&1
+  log "bench staggered rc=$?"
+  build-dev/tools/replayssm bench --device cuda --spec-tokens 4 --shape all --batch 256 \
+    --checkpoint fp32,fp32+bf16 --json "$OUT/bench_spec.json" >>"$OUT/bench.txt" 2>&1
+  log "bench spec rc=$?"
+  (cd "$OUT" && python3 "$OLDPWD/bench/plot.py" bench.json && python3 "$OLDPWD/bench/plot.py" bench_spec.json) >>"$OUT/summary.txt" 2>&1
+  ls "$OUT" >>"$OUT/summary.txt"
+fi
+cat "$OUT/summary.txt"
