@@ -45,7 +45,7 @@ PY
 done
 
 if [ "${DEVICE_CHECK_BENCH:-1}" = 1 ]; then
-  build-dev/tools/replayssm bench --device cuda --shape all --batch 1,64,256,1024 \
+  build-dev/tools/replayssm bench --device cuda --shape all --batch ${DEVICE_CHECK_BATCHES:-1,64,256,1024} \
     --checkpoint fp32,bf16,fp32+bf16,fp32+fp8 --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   log "bench aligned rc=$?"
   build-dev/tools/replayssm bench --device cuda --shape all --batch 256 --flush staggered \

@@ -41,6 +41,8 @@ using testing::Rng;
 
 const Mamba2Shape kSmall{4, 16, 128, 2};      // 2 heads per group
 const Mamba2Shape kOddRows{6, 20, 128, 3};    // head_dim 20: threads with rows past the head
+const Mamba2Shape kGolden{4, 8, 16, 2};       // dstate 16: the generic kernels (golden traces)
+const Mamba2Shape kGeneric{6, 20, 64, 3};     // dstate 64, odd head_dim: the generic kernels
 const Mamba2Shape kNano4b{96, 80, 128, 8};    // Nemotron-3-Nano-4B
 const Mamba2Shape kSuper120b{128, 64, 128, 8};  // Nemotron-3-Super-120B
 
@@ -242,6 +244,33 @@ std::vector<SideCase> side_cases() {
       SideCase spec{"small", kOddRows, DecodeMode::kReplay};
       spec.checkpoint = p;
       spec.input = input;
+      spec.buffer_len = 5;
+      spec.window = 4;
+      spec.steps = 30;
+      spec.stagger = 2;
+      out.push_back(spec);
+    }
+  }
+  // Shapes off the tuned kernels (dstate != 128) take the generic ones: the same cases.
+  for (const Mamba2Shape& s : {kGolden, kGeneric}) {
+    for (DType state : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SideCase c{"generic", s, DecodeMode::kEager};
+      c.state = state;
+      c.steps = 12;
+      out.push_back(c);
+    }
+    for (CheckpointPrecision p :
+         {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
+          CheckpointPrecision::kFp32Fp8}) {
+      for (DType input : {DType::kF32, DType::kBF16}) {
+        SideCase plain{"generic", s, DecodeMode::kReplay};
+        plain.checkpoint = p;
+        plain.input = input;
+        plain.stagger = 1;
+        out.push_back(plain);
+      }
+      SideCase spec{"generic", s, DecodeMode::kReplay};
+      spec.checkpoint = p;
       spec.buffer_len = 5;
       spec.window = 4;
       spec.steps = 30;
@@ -468,18 +497,7 @@ TEST(Mamba2Cuda, BadDeviceSlotIdsTouchNothing) {
 
 TEST(Mamba2Cuda, UnsupportedConfigsNameWhatIsSupported) {
   SKIP_WITHOUT_GPU();
-  StateCacheConfig cfg = replay_config(CheckpointPrecision::kFp32, 1, 1);
-  cfg.mamba2.dstate = 64;
-  std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
-  const int slot = testing::allocate_slot(*cache);
   Rng rng(1);
-  const Mamba2Layer params = testing::make_mamba2_layer(cfg.mamba2, Recipe{}, rng);
-  const Mamba2Tokens tk = testing::make_mamba2_tokens(cfg.mamba2, 1, 1, cfg.input_dtype, false, Recipe{}, rng);
-  const Mamba2Call call = testing::make_mamba2_call(*cache, 0, {slot}, params, tk);
-  const Status st = mamba2_decode(*cache, call.args);
-  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  EXPECT_NE(st.message().find("dstate 64; supported: 128"), std::string::npos) << st.message();
-
   StateCacheConfig f16 = replay_config(CheckpointPrecision::kFp32, 1, 1);
   f16.input_dtype = DType::kF16;
   std::unique_ptr<StateCache> c16 = testing::create_cache(f16);

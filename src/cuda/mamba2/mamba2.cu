@@ -17,12 +17,7 @@ namespace replayssm::cuda {
 namespace mamba2 {
 
 Status can_implement(const StateCacheConfig& c) {
-  const Mamba2Shape& s = c.mamba2;
-  if (!Dstates::contains(s.dstate)) return Dstates::error(s.dstate, "mamba2 dstate");
-  if (s.head_dim < 1 || s.head_dim > kMaxHeadDim) {
-    return unsupported("unsupported mamba2 head_dim " + std::to_string(s.head_dim) +
-                       "; supported: 1 to " + std::to_string(kMaxHeadDim));
-  }
+  // Shapes outside the tuned kernels' (dstate 128, head_dim <= 128) run on the generic ones.
   if (!ActivationDTypes::contains(c.input_dtype)) {
     return ActivationDTypes::error(c.input_dtype, "input dtype");
   }
@@ -35,7 +30,7 @@ Status can_implement(const StateCacheConfig& c) {
   if (!CheckpointPrecisions::contains(c.checkpoint)) {
     return CheckpointPrecisions::error(c.checkpoint, "checkpoint precision");
   }
-  if (c.max_spec_tokens > kMaxWindow) {
+  if (c.max_spec_tokens > kMaxWindow && !uses_generic_kernels(c.mamba2)) {
     return unsupported("mamba2 CUDA replay verifies windows of up to " +
                        std::to_string(kMaxWindow) + " tokens; the cache's max_spec_tokens is " +
                        std::to_string(c.max_spec_tokens));
@@ -74,8 +69,14 @@ Status mamba2_decode(StateCacheLayout& cache, const Mamba2DecodeArgs& a) {
   p.D = a.D;
   p.dt_bias = a.dt_bias;
   p.y = a.y;
-  if (cache.config.mode == DecodeMode::kEager) return mamba2::launch_eager(p);
-  REPLAYSSM_RETURN_IF_ERROR(mamba2::launch_replay(p));
+  if (mamba2::uses_generic_kernels(cache.config.mamba2)) {
+    REPLAYSSM_RETURN_IF_ERROR(mamba2::launch_generic(p));
+    if (cache.config.mode == DecodeMode::kEager) return Status::ok();
+  } else if (cache.config.mode == DecodeMode::kEager) {
+    return mamba2::launch_eager(p);
+  } else {
+    REPLAYSSM_RETURN_IF_ERROR(mamba2::launch_replay(p));
+  }
   return advance_folded(cache, a.layer, a.slot_ids, a.batch, a.num_tokens);
 }
 
@@ -88,7 +89,8 @@ Status fold_layer(StateCacheLayout& cache, int layer, const std::int32_t* slot_i
   p.batch = batch;
   p.num_tokens = 0;
   p.slot_ids = slot_ids;
-  REPLAYSSM_RETURN_IF_ERROR(mamba2::launch_replay(p));
+  REPLAYSSM_RETURN_IF_ERROR(uses_generic_kernels(cache.config.mamba2) ? launch_generic(p)
+                                                                      : launch_replay(p));
   return advance_folded(cache, layer, slot_ids, batch, 0);
 }
 

@@ -110,6 +110,14 @@ Status can_implement(const StateCacheConfig& config);
 
 Status launch_eager(const Params& params);
 Status launch_replay(const Params& params);
+/// Eager and replay (and explicit folds) for shapes the tuned kernels are not built for
+/// (generic_kernel.cu): any dstate and head_dim, at a fraction of the bandwidth.
+Status launch_generic(const Params& params);
+/// Whether a cache's shape takes the generic kernels: dstate other than kDstate, or rows past
+/// kMaxHeadDim.
+inline bool uses_generic_kernels(const Mamba2Shape& s) {
+  return s.dstate != kDstate || s.head_dim > kMaxHeadDim;
+}
 
 /// Folds one layer's committed history for the given rows' slots (device ids; -1 = skip):
 /// the replay kernel with an empty window, then advance_folded. state_cache_fold folds every
