@@ -1,5 +1,7 @@
 // Host memory for CPU state caches, and the Device::kCpu arm of the memory functions.
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -18,6 +20,10 @@ Status memory_copy(void* dst, const void* src, std::size_t bytes);  // cudaMemcp
 
 namespace {
 constexpr std::size_t kAlign = 256;
+// Buffers of a few MB and more (states, checkpoints, rings) go on 2 MB-aligned memory that
+// the kernel may back with transparent huge pages: a decode step streams the whole cache, and
+// with 4 KB pages it walks a new page every 4 KB.
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
 }
 
 Status memory_alloc(Device device, std::size_t bytes, void** ptr) {
@@ -28,11 +34,13 @@ Status memory_alloc(Device device, std::size_t bytes, void** ptr) {
     return unsupported("built without CUDA");
 #endif
   }
-  const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
+  const std::size_t align = bytes >= kHugePage ? kHugePage : kAlign;
+  const std::size_t rounded = (bytes + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, rounded == 0 ? align : rounded);
   if (p == nullptr) {
     return {StatusCode::kOutOfMemory, "host allocation of " + std::to_string(bytes) + " bytes failed"};
   }
+  if (align == kHugePage) (void)madvise(p, rounded, MADV_HUGEPAGE);  // a hint; may be refused
   std::memset(p, 0, rounded);
   *ptr = p;
   return Status::ok();
