@@ -191,8 +191,9 @@ inline std::vector<ActiveRow> active_rows(const std::int32_t* slot_ids, int batc
 }
 
 /// Per-thread scratch buffers, so the per-(row, head) work allocates nothing in steady state.
+/// Decode work uses buffers 0-7, folds (called from inside decode work) 8-15.
 inline float* scratch(int which, std::size_t n) {
-  thread_local std::vector<float> buffers[8];
+  thread_local std::vector<float> buffers[16];
   std::vector<float>& b = buffers[which];
   if (b.size() < n) b.resize(n);
   return b.data();

@@ -12,6 +12,10 @@ namespace replayssm::cpu {
 
 namespace {
 
+// Folds run inside a decode's per-(row, group or head) work, which holds scratch buffers
+// 0..kFoldScratch-1 across the fold: the fold takes the ones above.
+constexpr int kFoldScratch = 8;
+
 // Mamba-2: S ← τ·S + Σ_j s_j·x_j·B_jᵀ, with the decays taken from fp32 prefix sums of the
 // log-decays A·Δ_j (exponents of differences, all <= 0: no overflow, no running products).
 template <typename input_t>
@@ -19,7 +23,8 @@ void fold_head_mamba2(const StateCacheLayout& l, int layer, int slot, int head,
                       std::uint32_t first, std::uint32_t count) {
   const int rows = l.dims.rows, cols = l.dims.cols;
   const int group = head / l.dims.heads_per_key();
-  std::vector<float> cum(count), weight(count);
+  float* cum = scratch(kFoldScratch + 0, count);
+  float* weight = scratch(kFoldScratch + 1, count);
   float total = 0.0f;
   for (std::uint32_t j = 0; j < count; ++j) {
     total += ring_record<input_t>(l, layer, slot, first + j).decay[head];
@@ -30,25 +35,30 @@ void fold_head_mamba2(const StateCacheLayout& l, int layer, int slot, int head,
                 std::exp(total - cum[j]);
   }
   const float tau = std::exp(total);
-  // Keys as fp32 once per head: [count, cols].
-  std::vector<float> keys(std::size_t(count) * cols);
+  // The ring's keys [count, cols] and weighted inputs s_j·x_j [count, rows] as fp32, once.
+  float* keys = scratch(kFoldScratch + 2, std::size_t(count) * cols);
+  float* xw = scratch(kFoldScratch + 3, std::size_t(count) * rows);
   for (std::uint32_t j = 0; j < count; ++j) {
-    const input_t* B = ring_record<input_t>(l, layer, slot, first + j).key + group * cols;
-    for (int n = 0; n < cols; ++n) keys[std::size_t(j) * cols + n] = to_float(B[n]);
+    const RingRecord<input_t> rec = ring_record<input_t>(l, layer, slot, first + j);
+    for (int n = 0; n < cols; ++n) {
+      keys[std::size_t(j) * cols + n] = to_float(rec.key[group * cols + n]);
+    }
+    for (int p = 0; p < rows; ++p) {
+      xw[std::size_t(j) * rows + p] = weight[j] * to_float(rec.vec[head * rows + p]);
+    }
   }
   const CheckpointHead c = checkpoint_head(l, layer, slot, head);
-  std::vector<float> row(cols);
+  float* row = scratch(kFoldScratch + 4, cols);
   for (int p = 0; p < rows; ++p) {
-    read_master_row(c, p, row.data());
+    read_master_row(c, p, row);
     for (int n = 0; n < cols; ++n) row[n] *= tau;
     for (std::uint32_t j = 0; j < count; ++j) {
-      const float xw =
-          weight[j] * to_float(ring_record<input_t>(l, layer, slot, first + j).vec[head * rows + p]);
-      const float* key = keys.data() + std::size_t(j) * cols;
+      const float coeff = xw[std::size_t(j) * rows + p];
+      const float* key = keys + std::size_t(j) * cols;
 #pragma omp simd
-      for (int n = 0; n < cols; ++n) row[n] += xw * key[n];
+      for (int n = 0; n < cols; ++n) row[n] += coeff * key[n];
     }
-    write_row(c, p, row.data());
+    write_row(c, p, row);
   }
 }
 
@@ -59,7 +69,9 @@ void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
                    std::uint32_t first, std::uint32_t count) {
   const int rows = l.dims.rows, cols = l.dims.cols;
   const int key_head = head / l.dims.heads_per_key();
-  std::vector<float> keys(std::size_t(count) * cols), alpha(count), beta(count);
+  float* keys = scratch(kFoldScratch + 0, std::size_t(count) * cols);
+  float* alpha = scratch(kFoldScratch + 1, count);
+  float* beta = scratch(kFoldScratch + 2, count);
   for (std::uint32_t j = 0; j < count; ++j) {
     const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
     const float key_scale = r.key_scale[key_head];
@@ -70,18 +82,18 @@ void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
     beta[j] = r.write[head];
   }
   const CheckpointHead c = checkpoint_head(l, layer, slot, head);
-  std::vector<float> row(cols);
+  float* row = scratch(kFoldScratch + 3, cols);
   for (int v = 0; v < rows; ++v) {
-    read_master_row(c, v, row.data());
+    read_master_row(c, v, row);
     for (std::uint32_t j = 0; j < count; ++j) {
-      const float* key = keys.data() + std::size_t(j) * cols;
+      const float* key = keys + std::size_t(j) * cols;
       const float value = to_float(ring_record<input_t>(l, layer, slot, first + j).vec[head * rows + v]);
       for (int k = 0; k < cols; ++k) row[k] *= alpha[j];
-      const float d = beta[j] * (value - dot(row.data(), key, cols));
+      const float d = beta[j] * (value - dot(row, key, cols));
 #pragma omp simd
       for (int k = 0; k < cols; ++k) row[k] += d * key[k];
     }
-    write_row(c, v, row.data());
+    write_row(c, v, row);
   }
 }
 
