@@ -21,7 +21,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -35,10 +34,6 @@ using testing::RunSpec;
 
 constexpr int kSteps = 1000;
 
-double mean(const std::vector<double>& v, int from, int to) {
-  return std::accumulate(v.begin() + from, v.begin() + to, 0.0) / double(to - from);
-}
-
 struct Curve {
   double early;  // steps [100, 200)
   double mid;    // steps [450, 550)
@@ -47,8 +42,8 @@ struct Curve {
 };
 
 Curve curve_of(const RunResult& r) {
-  return {mean(r.step_error, 100, 200), mean(r.step_error, 450, 550),
-          mean(r.step_error, 950, 1000), r.max_error};
+  return {testing::mean_of(r.step_error, 100, 200), testing::mean_of(r.step_error, 450, 550),
+          testing::mean_of(r.step_error, 950, 1000), r.max_error};
 }
 
 void print(const char* family, CheckpointPrecision p, int L, const Curve& c) {
@@ -132,19 +127,7 @@ TEST_P(DualPrecision, Mamba2LongMemory) {
 // the state along its key, about β/K per direction), likewise about 500-1,000 tokens of
 // memory.
 TEST_P(DualPrecision, GdnLongMemory) {
-  RunSpec spec;
-  spec.cache.kind = LayerKind::kGdn;
-  spec.cache.gdn = GdnShape{2, 4, 32, 16};
-  spec.cache.mode = DecodeMode::kReplay;
-  spec.cache.input_dtype = DType::kF32;
-  spec.cache.buffer_len = GetParam();
-  spec.recipe.g_fixed = -0.001;
-  spec.recipe.beta_lo = 0.02;
-  spec.recipe.beta_hi = 0.06;
-  spec.batch = 2;
-  spec.steps = kSteps;
-  spec.seed = 901;
-  spec.guard_slots = 0;
+  const RunSpec spec = testing::gdn_long_memory_spec(GetParam(), kSteps);
   check(run_all(spec, "gdn", testing::run_gdn), GetParam());
 }
 

@@ -25,9 +25,8 @@ using testing::RunSpec;
 
 constexpr double kFp32Tol = 1e-5;
 constexpr double kFloor = 1e-6;
-// Unit roundoffs: bf16 keeps 8 significant bits, fp8 e4m3 4.
+// Unit roundoff: bf16 keeps 8 significant bits (fp8 e4m3 4: testing::expect_checkpoint_bounds).
 const double kBf16U = std::ldexp(1.0, -8);
-const double kFp8U = std::ldexp(1.0, -4);
 // Replay with bf16 inputs keeps k̂ in bf16 (relative rounding u per element), so the folded
 // state carries a few of those roundings: bound the exported state by 4u.
 const double kBf16StateTol = 4 * kBf16U;
@@ -44,13 +43,6 @@ RunSpec gdn_spec(GdnShape shape, DecodeMode mode, DType input) {
 const GdnShape kSmall{2, 4, 16, 8};     // Hk, Hv, K, V: two value heads per key head, K != V
 const GdnShape kOdd{3, 6, 7, 5};        // no power of two anywhere
 const GdnShape kReal{16, 32, 128, 128};  // Qwen3.5-4B
-
-void expect_within_naive(const RunResult& r) {
-  ASSERT_FALSE(r.naive_step_error.empty());
-  EXPECT_GT(r.naive_max_error, 0.0);
-  EXPECT_LE(r.max_error, 2.0 * r.naive_max_error + kFloor)
-      << "naive same-precision loop: " << r.naive_max_error;
-}
 
 void set_keys(RunSpec* spec, bool l2norm, float scale) {
   spec->qk_l2norm = l2norm;
@@ -91,7 +83,7 @@ TEST_P(GdnEager, MatchesOracle) {
     EXPECT_LE(r.max_error, kFp32Tol);
     EXPECT_LE(r.export_error, kFp32Tol);
   } else {
-    expect_within_naive(r);
+    testing::expect_within_naive(r, kFloor);
   }
 }
 
@@ -136,7 +128,7 @@ TEST_P(GdnReplay, MatchesOracleOverManyCycles) {
     EXPECT_LE(r.max_error, kFp32Tol);
     EXPECT_LE(r.export_error, kFp32Tol);
   } else {
-    expect_within_naive(r);
+    testing::expect_within_naive(r, kFloor);
     EXPECT_LE(r.export_error, kBf16StateTol);
   }
   EXPECT_GE(r.max_distinct_fill_levels, c.L > 1 ? 2 : 1);
@@ -223,7 +215,7 @@ TEST_P(GdnSpec, RandomAcceptanceMatchesPlainDecoding) {
     EXPECT_LE(r.plain_max_error, kFp32Tol);
     EXPECT_LE(r.export_error, kFp32Tol);
   } else {
-    expect_within_naive(r);
+    testing::expect_within_naive(r, kFloor);
     EXPECT_LE(r.plain_max_error, 2 * kBf16U);
     EXPECT_LE(r.export_error, kBf16StateTol);
   }
@@ -256,73 +248,11 @@ TEST_P(GdnWindow, KSingleStepsEqualOneKTokenWindow) {
   cfg.capacity = 2;
   cfg.buffer_len = c.L;
   cfg.max_spec_tokens = c.T;
-  auto window_cache = testing::create_cache(cfg);
-  auto single_cache = testing::create_cache(cfg);
-  const int batch = 2;
-  std::vector<std::int32_t> ws, ss;
-  for (int b = 0; b < batch; ++b) {
-    ws.push_back(testing::allocate_slot(*window_cache));
-    ss.push_back(testing::allocate_slot(*single_cache));
-  }
-  std::reverse(ss.begin(), ss.end());
-  testing::Rng rng(410 + c.T);
-  const testing::Recipe recipe;
-  const std::size_t ot = std::size_t(kSmall.num_v_heads) * kSmall.head_v_dim;
+  testing::WindowPair p = testing::make_window_pair(cfg, 2);
   double worst = 0.0;
-  for (int round = 0; round < 4 * c.L + 6; ++round) {
-    const testing::GdnTokens tk =
-        testing::make_gdn_tokens(kSmall, batch, c.T, DType::kF32, recipe, rng);
-    const testing::GdnCall wc = testing::make_gdn_call(*window_cache, 0, ws, tk, true, 0.0f);
-    ASSERT_TRUE(gdn_decode(*window_cache, wc.args).is_ok());
-    ASSERT_TRUE(testing::commit(*window_cache, ws, {c.T, c.T}).is_ok());
-    const std::vector<float> wout = wc.output();
-    ASSERT_TRUE(testing::all_finite(wout));
-    for (int t = 0; t < c.T; ++t) {
-      testing::GdnTokens one;
-      one.batch = batch;
-      one.T = 1;
-      for (int b = 0; b < batch; ++b) {
-        auto take = [&](const std::vector<float>& f, std::vector<float>* dst) {
-          const std::size_t e = f.size() / (std::size_t(batch) * c.T);
-          dst->insert(dst->end(), f.begin() + std::ptrdiff_t((std::size_t(b) * c.T + t) * e),
-                      f.begin() + std::ptrdiff_t((std::size_t(b) * c.T + t + 1) * e));
-        };
-        take(tk.q, &one.q);
-        take(tk.k, &one.k);
-        take(tk.v, &one.v);
-        take(tk.g, &one.g);
-        take(tk.beta, &one.beta);
-      }
-      const testing::GdnCall sc = testing::make_gdn_call(*single_cache, 0, ss, one, true, 0.0f);
-      ASSERT_TRUE(gdn_decode(*single_cache, sc.args).is_ok());
-      ASSERT_TRUE(testing::commit(*single_cache, ss, {1, 1}).is_ok());
-      const std::vector<float> sout = sc.output();
-      ASSERT_TRUE(testing::all_finite(sout));
-      double diff = 0.0, mag = 0.0;
-      for (int b = 0; b < batch; ++b) {
-        for (std::size_t e = 0; e < ot; ++e) {
-          const double w = wout[(std::size_t(b) * c.T + t) * ot + e];
-          diff = std::max(diff, std::fabs(w - sout[std::size_t(b) * ot + e]));
-          mag = std::max(mag, std::fabs(w));
-        }
-      }
-      worst = std::max(worst, diff / mag);
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(testing::run_window_vs_single(p, 410 + c.T, 4 * c.L + 6, &worst));
   EXPECT_LE(worst, kFp32Tol);
-  for (int b = 0; b < batch; ++b) {
-    std::vector<float> a(std::size_t(state_dims(kSmall).state_elems()));
-    std::vector<float> s(a.size());
-    ASSERT_TRUE(state_cache_export_state(*window_cache, 0, ws[b], a.data()).is_ok());
-    ASSERT_TRUE(state_cache_export_state(*single_cache, 0, ss[b], s.data()).is_ok());
-    double diff = 0.0, mag = 0.0;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      diff = std::max(diff, double(std::fabs(a[i] - s[i])));
-      mag = std::max(mag, double(std::fabs(a[i])));
-    }
-    EXPECT_GT(mag, 0.0);
-    EXPECT_LE(diff / mag, kFp32Tol);
-  }
+  testing::expect_window_states_match(p, kFp32Tol);
 }
 
 INSTANTIATE_TEST_SUITE_P(TL, GdnWindow,
@@ -353,27 +283,7 @@ TEST_P(GdnPrecision, BoundedByTheReadCopy) {
   // o = S_c·t + ring terms: the read copy's per-element rounding (u for bf16; u of the row's
   // max for fp8 with a per-row scale) over K = 16 terms with random signs: a couple of u of
   // max|o| (measured: bf16 <= 0.7u, fp8 <= 0.75u).
-  switch (c.precision) {
-    case CheckpointPrecision::kFp32:
-      EXPECT_LE(r.max_error, kFp32Tol);
-      EXPECT_LE(r.export_error, kFp32Tol);
-      break;
-    case CheckpointPrecision::kFp32Bf16:
-      EXPECT_LE(r.max_error, 2 * kBf16U);
-      EXPECT_GT(r.max_error, kFp32Tol);
-      EXPECT_LE(r.export_error, kFp32Tol);
-      break;
-    case CheckpointPrecision::kFp32Fp8:
-      EXPECT_LE(r.max_error, 2 * kFp8U);
-      EXPECT_GT(r.max_error, kFp32Tol);
-      EXPECT_LE(r.export_error, kFp32Tol);
-      break;
-    case CheckpointPrecision::kBf16:
-      EXPECT_LE(r.max_error, 4 * kBf16U);
-      EXPECT_GT(r.export_error, kFp32Tol);
-      EXPECT_LE(r.export_error, 4 * kBf16U);
-      break;
-  }
+  testing::expect_checkpoint_bounds(r, c.precision, kFp32Tol);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -421,7 +331,7 @@ TEST(GdnRealShape, ReplayL16Bf16Inputs) {
   spec.naive = true;
   const RunResult r = testing::run_gdn(spec);
   ASSERT_EQ(r.failure, "");
-  expect_within_naive(r);
+  testing::expect_within_naive(r, kFloor);
   EXPECT_LE(r.export_error, kBf16StateTol);
 }
 

@@ -26,19 +26,17 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <numeric>
 #include <string>
 #include <vector>
 
-#include "cuda/common/stream.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "testing/cuda_test_util.h"
 #include "testing/test_util.h"
 
 namespace replayssm {
 namespace {
 
-using testing::CacheBuffer;
 using testing::GdnCall;
 using testing::GdnTokens;
 using testing::Recipe;
@@ -63,18 +61,6 @@ constexpr CheckpointPrecision kAllPrecisions[] = {
 std::string shape_tag(const GdnShape& s) {
   return "Hk" + std::to_string(s.num_k_heads) + "Hv" + std::to_string(s.num_v_heads) + "K" +
          std::to_string(s.head_k_dim) + "V" + std::to_string(s.head_v_dim);
-}
-
-// max|a − b| / max|b| over [begin, end); +inf when a holds a NaN or an Inf.
-double rel_diff(const std::vector<float>& a, const std::vector<float>& b, std::size_t begin,
-                std::size_t end) {
-  double num = 0.0, den = 0.0;
-  for (std::size_t i = begin; i < end; ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
-    den = std::max(den, std::fabs(double(b[i])));
-  }
-  return den > 0.0 ? num / den : num;
 }
 
 // ---- CUDA vs CPU, side by side ---------------------------------------------------------------
@@ -139,95 +125,19 @@ class GdnCudaVsCpu : public ::testing::TestWithParam<SideCase> {};
 TEST_P(GdnCudaVsCpu, SameOutputsStatesAndCursors) {
   SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
-  const StateCacheConfig cfg = side_config(c);
-  StateCacheConfig gcfg = cfg;
-  gcfg.device = Device::kCuda;
-  std::unique_ptr<StateCache> cpu = testing::create_cache(cfg);
-  std::unique_ptr<StateCache> gpu = testing::create_cache(gcfg);
-  for (int i = 0; i < cfg.capacity; ++i) {
-    ASSERT_EQ(testing::allocate_slot(*cpu), testing::allocate_slot(*gpu));
-  }
-  const int guard_lo = 0, guard_hi = cfg.capacity - 1;
-
-  Rng rng(23);
-  const std::size_t se = std::size_t(state_dims(c.shape).state_elems());
-  if (c.load_initial) {
-    for (int layer = 0; layer < c.layers; ++layer) {
-      for (int r = 0; r < c.batch; ++r) {
-        std::vector<float> s(se);
-        for (float& v : s) v = float(rng.normal(0.0, 0.05));
-        ASSERT_TRUE(state_cache_load_state(*cpu, layer, r + 1, s.data()).is_ok());
-        const Status st = state_cache_load_state(*gpu, layer, r + 1, s.data());
-        ASSERT_TRUE(st.is_ok()) << st.to_string();
-      }
-    }
-  }
-  const std::vector<std::uint8_t> guard_lo_bytes = testing::slot_bytes(*gpu, guard_lo);
-  const std::vector<std::uint8_t> guard_hi_bytes = testing::slot_bytes(*gpu, guard_hi);
-
-  Recipe recipe;
-  recipe.unit_keys = !c.qk_l2norm;
-  const int rows = c.batch + 1;  // the last row is always a pad
-  const std::size_t per_row = std::size_t(c.window) * c.shape.num_v_heads * c.shape.head_v_dim;
-  const double tol = output_tolerance(c);
+  testing::CudaVsCpuSpec spec;
+  spec.config = side_config(c);
+  spec.batch = c.batch;
+  spec.steps = c.steps;
+  spec.stagger = c.stagger;
+  spec.seed = 23;
+  spec.load_initial = c.load_initial;
+  spec.initial_sd = 0.05;
+  spec.qk_l2norm = c.qk_l2norm;
+  spec.output_tol = output_tolerance(c);
+  spec.state_tol = std::max(spec.output_tol, 1e-5);
   double worst = 0.0;
-  for (int step = 0; step < c.steps; ++step) {
-    std::vector<std::int32_t> slots(std::size_t(rows), -1);
-    for (int r = 0; r < c.batch; ++r) {
-      if (step >= r * c.stagger) slots[r] = r + 1;
-    }
-    for (int layer = 0; layer < c.layers; ++layer) {
-      const GdnTokens tk =
-          testing::make_gdn_tokens(c.shape, rows, c.window, c.input, recipe, rng);
-      const GdnCall cc = testing::make_gdn_call(*cpu, layer, slots, tk, c.qk_l2norm, 0.0f);
-      const GdnCall gc = testing::make_gdn_call(*gpu, layer, slots, tk, c.qk_l2norm, 0.0f);
-      ASSERT_TRUE(gdn_decode(*cpu, cc.args).is_ok());
-      const Status st = gdn_decode(*gpu, gc.args);
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
-      const std::vector<float> oc = cc.output(), og = gc.output();
-      for (int r = 0; r < rows; ++r) {
-        const std::size_t b = r * per_row, e = b + per_row;
-        if (slots[r] < 0) {
-          ASSERT_TRUE(std::all_of(og.begin() + b, og.begin() + e,
-                                  [](float v) { return std::isnan(v); }))
-              << "step " << step << ": pad row " << r << "'s output was written";
-          continue;
-        }
-        const double err = rel_diff(og, oc, b, e);
-        worst = std::max(worst, err);
-        ASSERT_LE(err, tol) << "step " << step << " layer " << layer << " row " << r;
-      }
-    }
-    std::vector<std::int32_t> accepted(std::size_t(rows), 0);
-    for (int r = 0; r < c.batch; ++r) {
-      if (slots[r] >= 0) accepted[r] = c.window == 1 ? 1 : rng.uniform_int(0, c.window);
-    }
-    ASSERT_TRUE(testing::commit(*cpu, slots, accepted).is_ok());
-    const Status st = testing::commit(*gpu, slots, accepted);
-    ASSERT_TRUE(st.is_ok()) << st.to_string();
-    for (int r = 0; r < c.batch; ++r) {
-      ASSERT_EQ(testing::cursor_committed(*gpu, r + 1), testing::cursor_committed(*cpu, r + 1));
-      ASSERT_EQ(testing::cursor_pending(*gpu, r + 1), testing::cursor_pending(*cpu, r + 1));
-      for (int layer = 0; layer < c.layers; ++layer) {
-        ASSERT_EQ(testing::cursor_folded(*gpu, layer, r + 1),
-                  testing::cursor_folded(*cpu, layer, r + 1))
-            << "step " << step << " layer " << layer << " row " << r;
-      }
-    }
-  }
-  EXPECT_EQ(testing::slot_bytes(*gpu, guard_lo), guard_lo_bytes) << "guard slot written";
-  EXPECT_EQ(testing::slot_bytes(*gpu, guard_hi), guard_hi_bytes) << "guard slot written";
-
-  // Materialised states (a replay cache folds first) agree as well.
-  for (int layer = 0; layer < c.layers; ++layer) {
-    for (int r = 0; r < c.batch; ++r) {
-      std::vector<float> sc(se), sg(se);
-      ASSERT_TRUE(state_cache_export_state(*cpu, layer, r + 1, sc.data()).is_ok());
-      const Status st = state_cache_export_state(*gpu, layer, r + 1, sg.data());
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
-      EXPECT_LE(rel_diff(sg, sc, 0, se), std::max(tol, 1e-5)) << "layer " << layer << " row " << r;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(testing::compare_cuda_vs_cpu(spec, &worst));
   RecordProperty("max_rel_diff", std::to_string(worst));
 }
 
@@ -384,31 +294,16 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(GdnCuda, DualPrecisionErrorIsFlatInLength) {
   SKIP_WITHOUT_GPU();
   constexpr int kSteps = 1000;
-  testing::RunSpec spec;
-  spec.cache.kind = LayerKind::kGdn;
-  spec.cache.gdn = kSmall;
+  testing::RunSpec spec = testing::gdn_long_memory_spec(16, kSteps);  // kSmall's shape
   spec.cache.device = Device::kCuda;
-  spec.cache.mode = DecodeMode::kReplay;
-  spec.cache.input_dtype = DType::kF32;
-  spec.cache.buffer_len = 16;
-  spec.recipe.g_fixed = -0.001;
-  spec.recipe.beta_lo = 0.02;
-  spec.recipe.beta_hi = 0.06;
-  spec.batch = 2;
-  spec.steps = kSteps;
-  spec.seed = 901;
-  spec.guard_slots = 0;
-  auto mean = [](const std::vector<double>& v, int from, int to) {
-    return std::accumulate(v.begin() + from, v.begin() + to, 0.0) / double(to - from);
-  };
   double early[4] = {}, late[4] = {}, worst[4] = {};
   for (int i = 0; i < 4; ++i) {
     spec.cache.checkpoint = kAllPrecisions[i];
     const testing::RunResult r = testing::run_gdn(spec);
     ASSERT_EQ(r.failure, "") << checkpoint_precision_name(kAllPrecisions[i]);
     ASSERT_EQ(r.step_error.size(), std::size_t(kSteps));
-    early[i] = mean(r.step_error, 100, 200);
-    late[i] = mean(r.step_error, 900, 1000);
+    early[i] = testing::mean_of(r.step_error, 100, 200);
+    late[i] = testing::mean_of(r.step_error, 900, 1000);
     worst[i] = r.max_error;
     std::printf("[ curve    ] gdn cuda %-9s early %.3e  late %.3e  max %.3e\n",
                 checkpoint_precision_name(kAllPrecisions[i]), early[i], late[i], worst[i]);
@@ -469,22 +364,11 @@ TEST(GdnCuda, VerifyThatCommitsNothingLeavesCheckpointBitIdentical) {
     Rng rng(5);
     run_steps(*cache, slots, 4, 7, rng);
     ASSERT_TRUE(testing::fold(*cache, slots).is_ok());  // nothing due at the next decode
-    const std::vector<std::string> ckpt = {"ckpt_hi", "ckpt_lo", "ckpt_lo_scale", "folded",
-                                           "committed"};
-    const testing::CacheBytes before = testing::snapshot(*cache, ckpt);
     const GdnTokens tk = testing::make_gdn_tokens(kSmall, 3, 4, DType::kBF16, Recipe{}, rng);
-    std::vector<std::uint8_t> first;
-    for (int rep = 0; rep < 2; ++rep) {
-      const GdnCall call = testing::make_gdn_call(*cache, 1, slots, tk, true, 0.0f);
-      ASSERT_TRUE(gdn_decode(*cache, call.args).is_ok());
-      ASSERT_TRUE(testing::commit(*cache, slots, {0, 0, 0}).is_ok());
-      EXPECT_EQ(testing::diff(testing::snapshot(*cache, ckpt), before), "");
-      // The same window verified again gives bit-identical outputs.
-      if (rep == 0) first = call.o.bytes();
-      if (rep == 1) {
-        EXPECT_EQ(call.o.bytes(), first);
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(testing::expect_verify_commits_nothing(
+        *cache, slots, [&] { return testing::make_gdn_call(*cache, 1, slots, tk, true, 0.0f); },
+        [](StateCache& c, const GdnCall& call) { return gdn_decode(c, call.args); },
+        [](const GdnCall& call) { return call.o.bytes(); }));
   }
 }
 
@@ -653,45 +537,10 @@ TEST(GdnCuda, GraphCapturedStepsMatchStreamExecution) {
       graph_calls.push_back(testing::make_gdn_call(*graphed, layer, slots, tk, true, 0.0f));
     }
     const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
-    CacheBuffer slot_buf = CacheBuffer::from_vector(Device::kCuda, slots);
-    CacheBuffer accepted_buf = CacheBuffer::from_vector(Device::kCuda, accepted);
-    CommitArgs commit;
-    commit.batch = 4;
-    commit.slot_ids = slot_buf.as<const std::int32_t>();
-    commit.accepted = accepted_buf.as<const std::int32_t>();
-
-    for (int step = 0; step < kSteps; ++step) {
-      for (const GdnCall& c : direct_calls) ASSERT_TRUE(gdn_decode(*direct, c.args).is_ok());
-      ASSERT_TRUE(state_cache_commit(*direct, commit).is_ok());
-    }
-
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    {
-      cuda::ScopedLaunchStream on(stream);
-      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-      for (const GdnCall& c : graph_calls) {
-        const Status st = gdn_decode(*graphed, c.args);
-        ASSERT_TRUE(st.is_ok()) << st.to_string();
-      }
-      ASSERT_TRUE(state_cache_commit(*graphed, commit).is_ok());
-      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    }
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    for (int step = 0; step < kSteps; ++step) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-
-    EXPECT_GT(testing::cursor_committed(*graphed, slots[0]), std::uint32_t(cfg.buffer_len));
-    EXPECT_EQ(testing::diff(testing::snapshot(*graphed), testing::snapshot(*direct)), "");
-    for (int layer = 0; layer < cfg.num_layers; ++layer) {
-      EXPECT_EQ(graph_calls[layer].o.bytes(), direct_calls[layer].o.bytes());
-    }
-    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(testing::expect_graph_matches_stream(
+        *direct, *graphed, slots, accepted, direct_calls, graph_calls, kSteps,
+        [](StateCache& cache, const GdnCall& c) { return gdn_decode(cache, c.args); },
+        [](const GdnCall& c) { return c.o.bytes(); }));
   }
 }
 

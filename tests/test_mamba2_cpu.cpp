@@ -25,9 +25,8 @@ using testing::RunSpec;
 constexpr double kFp32Tol = 1e-5;
 // Slack over twice the naive loop's error, for errors that are exactly zero in both.
 constexpr double kFloor = 1e-6;
-// Unit roundoffs: bf16 keeps 8 significant bits, fp8 e4m3 4.
+// Unit roundoff: bf16 keeps 8 significant bits (fp8 e4m3 4: testing::expect_checkpoint_bounds).
 const double kBf16U = std::ldexp(1.0, -8);
-const double kFp8U = std::ldexp(1.0, -4);
 
 RunSpec mamba2_spec(Mamba2Shape shape, DecodeMode mode, DType input) {
   RunSpec spec;
@@ -41,13 +40,6 @@ RunSpec mamba2_spec(Mamba2Shape shape, DecodeMode mode, DType input) {
 const Mamba2Shape kSmall{4, 8, 16, 2};    // grouped: 2 heads per group
 const Mamba2Shape kOdd{6, 5, 7, 3};       // no power of two anywhere: stride bugs show
 const Mamba2Shape kReal{128, 64, 128, 8};  // Nemotron-3-Super-120B
-
-void expect_within_naive(const RunResult& r) {
-  ASSERT_FALSE(r.naive_step_error.empty());
-  EXPECT_GT(r.naive_max_error, 0.0);  // the low precision is really there
-  EXPECT_LE(r.max_error, 2.0 * r.naive_max_error + kFloor)
-      << "naive same-precision loop: " << r.naive_max_error;
-}
 
 // ---- eager --------------------------------------------------------------------------------
 
@@ -77,7 +69,7 @@ TEST_P(Mamba2Eager, MatchesOracle) {
     EXPECT_LE(r.max_error, kFp32Tol);
     EXPECT_LE(r.export_error, kFp32Tol);
   } else {
-    expect_within_naive(r);
+    testing::expect_within_naive(r, kFloor);
   }
 }
 
@@ -120,7 +112,7 @@ TEST_P(Mamba2Replay, MatchesOracleOverManyCycles) {
   if (c.input == DType::kF32) {
     EXPECT_LE(r.max_error, kFp32Tol);
   } else {
-    expect_within_naive(r);
+    testing::expect_within_naive(r, kFloor);
   }
   // Folds run in fp32 on the inputs as stored: the state itself is fp32-accurate either way.
   EXPECT_LE(r.export_error, kFp32Tol);
@@ -206,7 +198,7 @@ TEST_P(Mamba2Spec, RandomAcceptanceMatchesPlainDecoding) {
     EXPECT_LE(r.max_error, kFp32Tol);
     EXPECT_LE(r.plain_max_error, kFp32Tol);
   } else {
-    expect_within_naive(r);
+    testing::expect_within_naive(r, kFloor);
     // Both outputs are within u (plus fp32 noise) of the same value.
     EXPECT_LE(r.plain_max_error, 2 * kBf16U);
   }
@@ -242,76 +234,13 @@ TEST_P(Mamba2Window, KSingleStepsEqualOneKTokenWindow) {
   cfg.capacity = 2;
   cfg.buffer_len = c.L;
   cfg.max_spec_tokens = c.T;
-  auto window_cache = testing::create_cache(cfg);
-  auto single_cache = testing::create_cache(cfg);
-  const int batch = 2;
-  std::vector<std::int32_t> ws, ss;
-  for (int b = 0; b < batch; ++b) {
-    ws.push_back(testing::allocate_slot(*window_cache));
-    ss.push_back(testing::allocate_slot(*single_cache));
-  }
-  std::reverse(ss.begin(), ss.end());  // different slot per row in the two caches
-  testing::Rng rng(400 + c.T);
-  const testing::Recipe recipe;
-  const testing::Mamba2Layer params = testing::make_mamba2_layer(kSmall, recipe, rng);
-  const std::size_t ot = std::size_t(kSmall.nheads) * kSmall.head_dim;
+  testing::WindowPair p = testing::make_window_pair(cfg, 2);
   double worst = 0.0;
-  for (int round = 0; round < 4 * c.L + 6; ++round) {
-    const testing::Mamba2Tokens tk =
-        testing::make_mamba2_tokens(kSmall, batch, c.T, DType::kF32, true, recipe, rng);
-    const testing::Mamba2Call wc = testing::make_mamba2_call(*window_cache, 0, ws, params, tk);
-    ASSERT_TRUE(mamba2_decode(*window_cache, wc.args).is_ok());
-    ASSERT_TRUE(testing::commit(*window_cache, ws, {c.T, c.T}).is_ok());
-    const std::vector<float> wout = wc.output();
-    ASSERT_TRUE(testing::all_finite(wout));
-    for (int t = 0; t < c.T; ++t) {
-      testing::Mamba2Tokens one;
-      one.batch = batch;
-      one.T = 1;
-      for (int b = 0; b < batch; ++b) {
-        auto take = [&](const std::vector<float>& f, std::vector<float>* dst) {
-          const std::size_t e = f.size() / (std::size_t(batch) * c.T);
-          dst->insert(dst->end(), f.begin() + std::ptrdiff_t((std::size_t(b) * c.T + t) * e),
-                      f.begin() + std::ptrdiff_t((std::size_t(b) * c.T + t + 1) * e));
-        };
-        take(tk.x, &one.x);
-        take(tk.dt, &one.dt);
-        take(tk.B, &one.B);
-        take(tk.C, &one.C);
-        take(tk.z, &one.z);
-      }
-      const testing::Mamba2Call sc = testing::make_mamba2_call(*single_cache, 0, ss, params, one);
-      ASSERT_TRUE(mamba2_decode(*single_cache, sc.args).is_ok());
-      ASSERT_TRUE(testing::commit(*single_cache, ss, {1, 1}).is_ok());
-      const std::vector<float> sout = sc.output();
-      ASSERT_TRUE(testing::all_finite(sout));
-      double diff = 0.0, mag = 0.0;
-      for (int b = 0; b < batch; ++b) {
-        for (std::size_t e = 0; e < ot; ++e) {
-          const double w = wout[(std::size_t(b) * c.T + t) * ot + e];
-          diff = std::max(diff, std::fabs(w - sout[std::size_t(b) * ot + e]));
-          mag = std::max(mag, std::fabs(w));
-        }
-      }
-      worst = std::max(worst, diff / mag);
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(testing::run_window_vs_single(p, 400 + c.T, 4 * c.L + 6, &worst));
   EXPECT_LE(worst, kFp32Tol);
-  EXPECT_EQ(testing::cursor_committed(*window_cache, ws[0]),
-            testing::cursor_committed(*single_cache, ss[0]));
-  for (int b = 0; b < batch; ++b) {
-    std::vector<float> a(std::size_t(state_dims(kSmall).state_elems()));
-    std::vector<float> s(a.size());
-    ASSERT_TRUE(state_cache_export_state(*window_cache, 0, ws[b], a.data()).is_ok());
-    ASSERT_TRUE(state_cache_export_state(*single_cache, 0, ss[b], s.data()).is_ok());
-    double diff = 0.0, mag = 0.0;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      diff = std::max(diff, double(std::fabs(a[i] - s[i])));
-      mag = std::max(mag, double(std::fabs(a[i])));
-    }
-    EXPECT_GT(mag, 0.0);
-    EXPECT_LE(diff / mag, kFp32Tol);
-  }
+  EXPECT_EQ(testing::cursor_committed(*p.window, p.ws[0]),
+            testing::cursor_committed(*p.single, p.ss[0]));
+  testing::expect_window_states_match(p, kFp32Tol);
 }
 
 INSTANTIATE_TEST_SUITE_P(TL, Mamba2Window,
@@ -342,27 +271,7 @@ TEST_P(Mamba2Precision, BoundedByTheReadCopy) {
   // Output error: the read copy's rounding of S_c·C. Each element is within u of itself (bf16)
   // or of its row's max (fp8 e4m3 with a per-row scale max|row|/448); y sums N = 16 such terms
   // with random signs, so a couple of u of max|y| bound it (measured: bf16 <= 0.8u, fp8 <= u).
-  switch (c.precision) {
-    case CheckpointPrecision::kFp32:
-      EXPECT_LE(r.max_error, kFp32Tol);
-      EXPECT_LE(r.export_error, kFp32Tol);
-      break;
-    case CheckpointPrecision::kFp32Bf16:
-      EXPECT_LE(r.max_error, 2 * kBf16U);
-      EXPECT_GT(r.max_error, kFp32Tol);  // the bf16 copy is what outputs read
-      EXPECT_LE(r.export_error, kFp32Tol);  // folds use the fp32 master
-      break;
-    case CheckpointPrecision::kFp32Fp8:
-      EXPECT_LE(r.max_error, 2 * kFp8U);
-      EXPECT_GT(r.max_error, kFp32Tol);
-      EXPECT_LE(r.export_error, kFp32Tol);
-      break;
-    case CheckpointPrecision::kBf16:
-      EXPECT_LE(r.max_error, 4 * kBf16U);
-      EXPECT_GT(r.export_error, kFp32Tol);  // no master: the state itself is bf16
-      EXPECT_LE(r.export_error, 4 * kBf16U);
-      break;
-  }
+  testing::expect_checkpoint_bounds(r, c.precision, kFp32Tol);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -411,7 +320,7 @@ TEST(Mamba2RealShape, ReplayL16Bf16Inputs) {
   spec.naive = true;
   const RunResult r = testing::run_mamba2(spec);
   ASSERT_EQ(r.failure, "");
-  expect_within_naive(r);
+  testing::expect_within_naive(r, kFloor);
   EXPECT_LE(r.export_error, kFp32Tol);
 }
 

@@ -21,15 +21,14 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/stream.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "testing/cuda_test_util.h"
 #include "testing/test_util.h"
 
 namespace replayssm {
 namespace {
 
-using testing::CacheBuffer;
 using testing::Mamba2Call;
 using testing::Mamba2Layer;
 using testing::Mamba2Tokens;
@@ -49,18 +48,6 @@ const Mamba2Shape kSuper120b{128, 64, 128, 8};  // Nemotron-3-Super-120B
 std::string shape_tag(const Mamba2Shape& s) {
   return "H" + std::to_string(s.nheads) + "P" + std::to_string(s.head_dim) + "N" +
          std::to_string(s.dstate) + "G" + std::to_string(s.ngroups);
-}
-
-// max|a − b| / max|b| over [begin, end); +inf when a holds a NaN or an Inf.
-double rel_diff(const std::vector<float>& a, const std::vector<float>& b, std::size_t begin,
-                std::size_t end) {
-  double num = 0.0, den = 0.0;
-  for (std::size_t i = begin; i < end; ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
-    den = std::max(den, std::fabs(double(b[i])));
-  }
-  return den > 0.0 ? num / den : num;
 }
 
 // ---- CUDA vs CPU, side by side ---------------------------------------------------------------
@@ -116,7 +103,8 @@ class Mamba2CudaVsCpu : public ::testing::TestWithParam<SideCase> {};
 TEST_P(Mamba2CudaVsCpu, SameOutputsStatesAndCursors) {
   SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
-  StateCacheConfig cfg;
+  testing::CudaVsCpuSpec spec;
+  StateCacheConfig& cfg = spec.config;
   cfg.kind = LayerKind::kMamba2;
   cfg.mamba2 = c.shape;
   cfg.num_layers = c.layers;
@@ -127,94 +115,17 @@ TEST_P(Mamba2CudaVsCpu, SameOutputsStatesAndCursors) {
   cfg.buffer_len = c.buffer_len;
   cfg.max_spec_tokens = c.window;
   cfg.checkpoint = c.checkpoint;
-  StateCacheConfig gcfg = cfg;
-  gcfg.device = Device::kCuda;
-  std::unique_ptr<StateCache> cpu = testing::create_cache(cfg);
-  std::unique_ptr<StateCache> gpu = testing::create_cache(gcfg);
-  for (int i = 0; i < cfg.capacity; ++i) {
-    ASSERT_EQ(testing::allocate_slot(*cpu), testing::allocate_slot(*gpu));
-  }
-  const int guard_lo = 0, guard_hi = cfg.capacity - 1;
-
-  Rng rng(17);
-  const std::size_t se = std::size_t(state_dims(c.shape).state_elems());
-  if (c.load_initial) {
-    for (int layer = 0; layer < c.layers; ++layer) {
-      for (int r = 0; r < c.batch; ++r) {
-        std::vector<float> s(se);
-        for (float& v : s) v = float(rng.normal(0.0, 0.5));
-        ASSERT_TRUE(state_cache_load_state(*cpu, layer, r + 1, s.data()).is_ok());
-        ASSERT_TRUE(state_cache_load_state(*gpu, layer, r + 1, s.data()).is_ok());
-      }
-    }
-  }
-  const std::vector<std::uint8_t> guard_lo_bytes = testing::slot_bytes(*gpu, guard_lo);
-  const std::vector<std::uint8_t> guard_hi_bytes = testing::slot_bytes(*gpu, guard_hi);
-
-  Recipe recipe;
-  std::vector<Mamba2Layer> params;
-  for (int layer = 0; layer < c.layers; ++layer) {
-    params.push_back(testing::make_mamba2_layer(c.shape, recipe, rng));
-  }
-  const int rows = c.batch + 1;  // the last row is always a pad
-  const std::size_t per_row = std::size_t(c.window) * c.shape.nheads * c.shape.head_dim;
-  const double tol = output_tolerance(c);
+  spec.batch = c.batch;
+  spec.steps = c.steps;
+  spec.stagger = c.stagger;
+  spec.seed = 17;
+  spec.load_initial = c.load_initial;
+  spec.initial_sd = 0.5;
+  spec.gate = c.gate;
+  spec.output_tol = output_tolerance(c);
+  spec.state_tol = state_tolerance(c);
   double worst = 0.0;
-  for (int step = 0; step < c.steps; ++step) {
-    std::vector<std::int32_t> slots(std::size_t(rows), -1);
-    for (int r = 0; r < c.batch; ++r) {
-      if (step >= r * c.stagger) slots[r] = r + 1;
-    }
-    for (int layer = 0; layer < c.layers; ++layer) {
-      const Mamba2Tokens tk =
-          testing::make_mamba2_tokens(c.shape, rows, c.window, c.input, c.gate, recipe, rng);
-      const Mamba2Call cc = testing::make_mamba2_call(*cpu, layer, slots, params[layer], tk);
-      const Mamba2Call gc = testing::make_mamba2_call(*gpu, layer, slots, params[layer], tk);
-      ASSERT_TRUE(mamba2_decode(*cpu, cc.args).is_ok());
-      const Status st = mamba2_decode(*gpu, gc.args);
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
-      const std::vector<float> yc = cc.output(), yg = gc.output();
-      for (int r = 0; r < rows; ++r) {
-        const std::size_t b = r * per_row, e = b + per_row;
-        if (slots[r] < 0) {
-          ASSERT_TRUE(std::all_of(yg.begin() + b, yg.begin() + e, [](float v) { return std::isnan(v); }))
-              << "step " << step << ": pad row " << r << "'s output was written";
-          continue;
-        }
-        const double err = rel_diff(yg, yc, b, e);
-        worst = std::max(worst, err);
-        ASSERT_LE(err, tol) << "step " << step << " layer " << layer << " row " << r;
-      }
-    }
-    std::vector<std::int32_t> accepted(std::size_t(rows), 0);
-    for (int r = 0; r < c.batch; ++r) {
-      if (slots[r] >= 0) accepted[r] = c.window == 1 ? 1 : rng.uniform_int(0, c.window);
-    }
-    ASSERT_TRUE(testing::commit(*cpu, slots, accepted).is_ok());
-    ASSERT_TRUE(testing::commit(*gpu, slots, accepted).is_ok());
-    for (int r = 0; r < c.batch; ++r) {
-      ASSERT_EQ(testing::cursor_committed(*gpu, r + 1), testing::cursor_committed(*cpu, r + 1));
-      ASSERT_EQ(testing::cursor_pending(*gpu, r + 1), testing::cursor_pending(*cpu, r + 1));
-      for (int layer = 0; layer < c.layers; ++layer) {
-        ASSERT_EQ(testing::cursor_folded(*gpu, layer, r + 1),
-                  testing::cursor_folded(*cpu, layer, r + 1))
-            << "step " << step << " layer " << layer << " row " << r;
-      }
-    }
-  }
-  EXPECT_EQ(testing::slot_bytes(*gpu, guard_lo), guard_lo_bytes) << "guard slot written";
-  EXPECT_EQ(testing::slot_bytes(*gpu, guard_hi), guard_hi_bytes) << "guard slot written";
-
-  // Materialised states (a replay cache folds first) agree as well.
-  for (int layer = 0; layer < c.layers; ++layer) {
-    for (int r = 0; r < c.batch; ++r) {
-      std::vector<float> sc(se), sg(se);
-      ASSERT_TRUE(state_cache_export_state(*cpu, layer, r + 1, sc.data()).is_ok());
-      const Status st = state_cache_export_state(*gpu, layer, r + 1, sg.data());
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
-      EXPECT_LE(rel_diff(sg, sc, 0, se), state_tolerance(c)) << "layer " << layer << " row " << r;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(testing::compare_cuda_vs_cpu(spec, &worst));
   RecordProperty("max_rel_diff", std::to_string(worst));
 }
 
@@ -427,24 +338,12 @@ TEST(Mamba2Cuda, VerifyThatCommitsNothingLeavesCheckpointBitIdentical) {
     }
     run_steps(*cache, slots, params, 4, 7, rng);
     ASSERT_TRUE(testing::fold(*cache, slots).is_ok());  // nothing due at the next decode
-    const std::vector<std::string> ckpt = {"ckpt_hi", "ckpt_lo", "ckpt_lo_scale", "folded",
-                                           "committed"};
-    const testing::CacheBytes before = testing::snapshot(*cache, ckpt);
     const Mamba2Tokens tk =
         testing::make_mamba2_tokens(kSmall, 3, 4, DType::kBF16, true, Recipe{}, rng);
-    std::vector<std::uint8_t> first;
-    for (int rep = 0; rep < 2; ++rep) {
-      const Mamba2Call call = testing::make_mamba2_call(*cache, 1, slots, params[1], tk);
-      ASSERT_TRUE(mamba2_decode(*cache, call.args).is_ok());
-      ASSERT_TRUE(testing::commit(*cache, slots, {0, 0, 0}).is_ok());
-      EXPECT_EQ(testing::diff(testing::snapshot(*cache, ckpt), before), "");
-      // The same window verified again gives bit-identical outputs.
-      if (rep == 0) {
-        first = call.y.bytes();
-      } else {
-        EXPECT_EQ(call.y.bytes(), first);
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(testing::expect_verify_commits_nothing(
+        *cache, slots, [&] { return testing::make_mamba2_call(*cache, 1, slots, params[1], tk); },
+        [](StateCache& c, const Mamba2Call& call) { return mamba2_decode(c, call.args); },
+        [](const Mamba2Call& call) { return call.y.bytes(); }));
   }
 }
 
@@ -539,45 +438,10 @@ TEST(Mamba2Cuda, GraphCapturedStepsMatchStreamExecution) {
       graph_calls.push_back(testing::make_mamba2_call(*graphed, layer, slots, params[layer], tk));
     }
     const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
-    CacheBuffer slot_buf = CacheBuffer::from_vector(Device::kCuda, slots);
-    CacheBuffer accepted_buf = CacheBuffer::from_vector(Device::kCuda, accepted);
-    CommitArgs commit;
-    commit.batch = 4;
-    commit.slot_ids = slot_buf.as<const std::int32_t>();
-    commit.accepted = accepted_buf.as<const std::int32_t>();
-
-    for (int step = 0; step < kSteps; ++step) {
-      for (const Mamba2Call& c : direct_calls) ASSERT_TRUE(mamba2_decode(*direct, c.args).is_ok());
-      ASSERT_TRUE(state_cache_commit(*direct, commit).is_ok());
-    }
-
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    {
-      cuda::ScopedLaunchStream on(stream);
-      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-      for (const Mamba2Call& c : graph_calls) {
-        const Status st = mamba2_decode(*graphed, c.args);
-        ASSERT_TRUE(st.is_ok()) << st.to_string();
-      }
-      ASSERT_TRUE(state_cache_commit(*graphed, commit).is_ok());
-      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    }
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    for (int step = 0; step < kSteps; ++step) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-
-    EXPECT_GT(testing::cursor_committed(*graphed, slots[0]), std::uint32_t(cfg.buffer_len));
-    EXPECT_EQ(testing::diff(testing::snapshot(*graphed), testing::snapshot(*direct)), "");
-    for (int layer = 0; layer < cfg.num_layers; ++layer) {
-      EXPECT_EQ(graph_calls[layer].y.bytes(), direct_calls[layer].y.bytes());
-    }
-    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(testing::expect_graph_matches_stream(
+        *direct, *graphed, slots, accepted, direct_calls, graph_calls, kSteps,
+        [](StateCache& cache, const Mamba2Call& c) { return mamba2_decode(cache, c.args); },
+        [](const Mamba2Call& c) { return c.y.bytes(); }));
   }
 }
 

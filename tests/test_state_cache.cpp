@@ -838,40 +838,42 @@ TEST_P(StateCacheFold, FoldThenExportEqualsOracle) {
   EXPECT_TRUE(bytes_equal(e1, early1));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    KindModePrecision, StateCacheIo,
-    ::testing::Values(
-        IoCase{LayerKind::kMamba2, DecodeMode::kEager, CheckpointPrecision::kFp32, DType::kF32},
-        IoCase{LayerKind::kMamba2, DecodeMode::kEager, CheckpointPrecision::kFp32, DType::kBF16},
-        IoCase{LayerKind::kMamba2, DecodeMode::kEager, CheckpointPrecision::kFp32, DType::kF16},
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kFp32, DType::kF32},
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kFp32Bf16,
-               DType::kF32},
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kFp32Fp8,
-               DType::kF32},
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kBf16, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kEager, CheckpointPrecision::kFp32, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kEager, CheckpointPrecision::kFp32, DType::kBF16},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kFp32, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kFp32Bf16, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kFp32Fp8, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kBf16, DType::kF32}),
-    io_name);
+// Every checkpoint precision of a replay cache of `kind` (fp32 inputs): the cases both suites
+// share.
+std::vector<IoCase> replay_io_cases(LayerKind kind) {
+  std::vector<IoCase> out;
+  for (CheckpointPrecision p : {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16,
+                                CheckpointPrecision::kFp32Fp8, CheckpointPrecision::kBf16}) {
+    out.push_back(IoCase{kind, DecodeMode::kReplay, p, DType::kF32});
+  }
+  return out;
+}
 
-INSTANTIATE_TEST_SUITE_P(
-    KindPrecision, StateCacheFold,
-    ::testing::Values(
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kFp32, DType::kF32},
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kFp32Bf16,
-               DType::kF32},
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kFp32Fp8,
-               DType::kF32},
-        IoCase{LayerKind::kMamba2, DecodeMode::kReplay, CheckpointPrecision::kBf16, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kFp32, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kFp32Bf16, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kFp32Fp8, DType::kF32},
-        IoCase{LayerKind::kGdn, DecodeMode::kReplay, CheckpointPrecision::kBf16, DType::kF32}),
-    io_name);
+// Eager caches in every state dtype of the kind, then its replay cases.
+std::vector<IoCase> io_cases() {
+  std::vector<IoCase> out;
+  for (LayerKind kind : {LayerKind::kMamba2, LayerKind::kGdn}) {
+    std::vector<DType> states = {DType::kF32, DType::kBF16};
+    if (kind == LayerKind::kMamba2) states.push_back(DType::kF16);
+    for (DType state : states) {
+      out.push_back(IoCase{kind, DecodeMode::kEager, CheckpointPrecision::kFp32, state});
+    }
+    for (const IoCase& c : replay_io_cases(kind)) out.push_back(c);
+  }
+  return out;
+}
+
+std::vector<IoCase> fold_cases() {
+  std::vector<IoCase> out = replay_io_cases(LayerKind::kMamba2);
+  for (const IoCase& c : replay_io_cases(LayerKind::kGdn)) out.push_back(c);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(KindModePrecision, StateCacheIo, ::testing::ValuesIn(io_cases()),
+                         io_name);
+
+INSTANTIATE_TEST_SUITE_P(KindPrecision, StateCacheFold, ::testing::ValuesIn(fold_cases()),
+                         io_name);
 
 // Eager caches: fold is a no-op and changes no byte.
 TEST(StateCacheFoldEager, IsANoOp) {

@@ -1,9 +1,12 @@
 #include "testing/test_util.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <set>
 #include <stdexcept>
 #include <utility>
@@ -114,6 +117,17 @@ double rel_error(const float* out, const double* ref, std::size_t n) {
 double rel_error(const std::vector<float>& out, const std::vector<double>& ref) {
   if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
   return rel_error(out.data(), ref.data(), out.size());
+}
+
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, std::size_t begin,
+                    std::size_t end) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = begin; i < end; ++i) {
+    if (!std::isfinite(a[i])) return std::numeric_limits<double>::infinity();
+    num = std::max(num, std::fabs(double(a[i]) - double(b[i])));
+    den = std::max(den, std::fabs(double(b[i])));
+  }
+  return den > 0.0 ? num / den : num;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -473,6 +487,11 @@ int allocate_slot(StateCache& cache) {
   int slot = -1;
   throw_if_error(state_cache_allocate_slot(cache, &slot), "state_cache_allocate_slot");
   return slot;
+}
+
+Status export_state(StateCache& cache, int layer, int slot, std::vector<float>* out) {
+  out->assign(std::size_t(cache.config().dims().state_elems()), 0.0f);
+  return state_cache_export_state(cache, layer, slot, out->data());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -876,6 +895,247 @@ RunResult run_driver(const RunSpec& spec) {
 
 RunResult run_mamba2(const RunSpec& spec) { return run_driver<Mamba2Family>(spec); }
 RunResult run_gdn(const RunSpec& spec) { return run_driver<GdnFamily>(spec); }
+
+void expect_within_naive(const RunResult& r, double floor) {
+  ASSERT_FALSE(r.naive_step_error.empty());
+  EXPECT_GT(r.naive_max_error, 0.0);  // the low precision is really there
+  EXPECT_LE(r.max_error, 2.0 * r.naive_max_error + floor)
+      << "naive same-precision loop: " << r.naive_max_error;
+}
+
+void expect_checkpoint_bounds(const RunResult& r, CheckpointPrecision precision,
+                              double fp32_tol) {
+  const double bf16_u = std::ldexp(1.0, -8), fp8_u = std::ldexp(1.0, -4);
+  switch (precision) {
+    case CheckpointPrecision::kFp32:
+      EXPECT_LE(r.max_error, fp32_tol);
+      EXPECT_LE(r.export_error, fp32_tol);
+      break;
+    case CheckpointPrecision::kFp32Bf16:
+      EXPECT_LE(r.max_error, 2 * bf16_u);
+      EXPECT_GT(r.max_error, fp32_tol);  // the bf16 copy is what outputs read
+      EXPECT_LE(r.export_error, fp32_tol);  // folds use the fp32 master
+      break;
+    case CheckpointPrecision::kFp32Fp8:
+      EXPECT_LE(r.max_error, 2 * fp8_u);
+      EXPECT_GT(r.max_error, fp32_tol);
+      EXPECT_LE(r.export_error, fp32_tol);
+      break;
+    case CheckpointPrecision::kBf16:
+      EXPECT_LE(r.max_error, 4 * bf16_u);
+      EXPECT_GT(r.export_error, fp32_tol);  // no master: the state itself is bf16
+      EXPECT_LE(r.export_error, 4 * bf16_u);
+      break;
+  }
+}
+
+RunSpec gdn_long_memory_spec(int buffer_len, int steps) {
+  RunSpec spec;
+  spec.cache.kind = LayerKind::kGdn;
+  spec.cache.gdn = GdnShape{2, 4, 32, 16};
+  spec.cache.mode = DecodeMode::kReplay;
+  spec.cache.input_dtype = DType::kF32;
+  spec.cache.buffer_len = buffer_len;
+  spec.recipe.g_fixed = -0.001;
+  spec.recipe.beta_lo = 0.02;
+  spec.recipe.beta_hi = 0.06;
+  spec.batch = 2;
+  spec.steps = steps;
+  spec.seed = 901;
+  spec.guard_slots = 0;
+  return spec;
+}
+
+double mean_of(const std::vector<double>& v, int from, int to) {
+  return std::accumulate(v.begin() + from, v.begin() + to, 0.0) / double(to - from);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Window vs single steps, CUDA vs CPU: one body for both families (Mamba2Family, GdnFamily
+// above give the family's tokens, calls and decode).
+
+namespace {
+
+// The family's per-call settings as a RunSpec, for the Family structs.
+RunSpec family_spec(const StateCacheConfig& config, bool gate, bool qk_l2norm) {
+  RunSpec spec;
+  spec.cache = config;
+  spec.gate = gate;
+  spec.qk_l2norm = qk_l2norm;
+  spec.recipe.unit_keys = !qk_l2norm;  // raw keys must keep β|k|² < 2
+  return spec;
+}
+
+template <typename Family>
+void run_window_vs_single_impl(WindowPair& p, std::uint64_t seed, int rounds, double* worst) {
+  const StateCacheConfig& cfg = p.window->config();
+  const int batch = int(p.ws.size());
+  const int T = cfg.max_spec_tokens;
+  const RunSpec spec = family_spec(cfg, /*gate=*/true, /*qk_l2norm=*/true);
+  Rng rng(seed);
+  const Family family(spec, rng);  // Mamba-2: the layer's A, D, dt_bias first
+  const std::size_t ot = family.out_per_token();
+  const std::vector<std::int32_t> full(std::size_t(batch), T), one(std::size_t(batch), 1);
+  for (int round = 0; round < rounds; ++round) {
+    const typename Family::Tokens tk = family.tokens(batch, T, rng);
+    const typename Family::Call wc = family.call(*p.window, 0, p.ws, tk);
+    ASSERT_TRUE(Family::decode(*p.window, wc).is_ok());
+    ASSERT_TRUE(commit(*p.window, p.ws, full).is_ok());
+    const std::vector<float> wout = wc.output();
+    ASSERT_TRUE(all_finite(wout));
+    for (int t = 0; t < T; ++t) {
+      const typename Family::Call sc = family.call(*p.single, 0, p.ss, family.gather(tk, t));
+      ASSERT_TRUE(Family::decode(*p.single, sc).is_ok());
+      ASSERT_TRUE(commit(*p.single, p.ss, one).is_ok());
+      const std::vector<float> sout = sc.output();
+      ASSERT_TRUE(all_finite(sout));
+      double diff = 0.0, mag = 0.0;
+      for (int b = 0; b < batch; ++b) {
+        for (std::size_t e = 0; e < ot; ++e) {
+          const double w = wout[(std::size_t(b) * T + t) * ot + e];
+          diff = std::max(diff, std::fabs(w - sout[std::size_t(b) * ot + e]));
+          mag = std::max(mag, std::fabs(w));
+        }
+      }
+      *worst = std::max(*worst, diff / mag);
+    }
+  }
+}
+
+template <typename Family>
+void compare_cuda_vs_cpu_impl(const CudaVsCpuSpec& c, double* worst) {
+  const StateCacheConfig& cfg = c.config;
+  StateCacheConfig gcfg = cfg;
+  gcfg.device = Device::kCuda;
+  std::unique_ptr<StateCache> cpu = create_cache(cfg);
+  std::unique_ptr<StateCache> gpu = create_cache(gcfg);
+  for (int i = 0; i < cfg.capacity; ++i) {
+    ASSERT_EQ(allocate_slot(*cpu), allocate_slot(*gpu));
+  }
+  const int guard_lo = 0, guard_hi = cfg.capacity - 1;
+  const int layers = cfg.num_layers, window = cfg.max_spec_tokens;
+
+  Rng rng(c.seed);
+  const std::size_t se = std::size_t(cfg.dims().state_elems());
+  if (c.load_initial) {
+    for (int layer = 0; layer < layers; ++layer) {
+      for (int r = 0; r < c.batch; ++r) {
+        std::vector<float> s(se);
+        for (float& v : s) v = float(rng.normal(0.0, c.initial_sd));
+        ASSERT_TRUE(state_cache_load_state(*cpu, layer, r + 1, s.data()).is_ok());
+        const Status st = state_cache_load_state(*gpu, layer, r + 1, s.data());
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+      }
+    }
+  }
+  const std::vector<std::uint8_t> guard_lo_bytes = slot_bytes(*gpu, guard_lo);
+  const std::vector<std::uint8_t> guard_hi_bytes = slot_bytes(*gpu, guard_hi);
+
+  const RunSpec spec = family_spec(cfg, c.gate, c.qk_l2norm);
+  const Family family(spec, rng);  // Mamba-2: every layer's A, D, dt_bias, after the states
+  const int rows = c.batch + 1;  // the last row is always a pad
+  const std::size_t per_row = std::size_t(window) * family.out_per_token();
+  for (int step = 0; step < c.steps; ++step) {
+    std::vector<std::int32_t> slots(std::size_t(rows), -1);
+    for (int r = 0; r < c.batch; ++r) {
+      if (step >= r * c.stagger) slots[r] = r + 1;
+    }
+    for (int layer = 0; layer < layers; ++layer) {
+      const typename Family::Tokens tk = family.tokens(rows, window, rng);
+      const typename Family::Call cc = family.call(*cpu, layer, slots, tk);
+      const typename Family::Call gc = family.call(*gpu, layer, slots, tk);
+      ASSERT_TRUE(Family::decode(*cpu, cc).is_ok());
+      const Status st = Family::decode(*gpu, gc);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      const std::vector<float> oc = cc.output(), og = gc.output();
+      for (int r = 0; r < rows; ++r) {
+        const std::size_t b = r * per_row, e = b + per_row;
+        if (slots[r] < 0) {
+          ASSERT_TRUE(std::all_of(og.begin() + b, og.begin() + e,
+                                  [](float v) { return std::isnan(v); }))
+              << "step " << step << ": pad row " << r << "'s output was written";
+          continue;
+        }
+        const double err = max_rel_diff(og, oc, b, e);
+        *worst = std::max(*worst, err);
+        ASSERT_LE(err, c.output_tol) << "step " << step << " layer " << layer << " row " << r;
+      }
+    }
+    std::vector<std::int32_t> accepted(std::size_t(rows), 0);
+    for (int r = 0; r < c.batch; ++r) {
+      if (slots[r] >= 0) accepted[r] = window == 1 ? 1 : rng.uniform_int(0, window);
+    }
+    ASSERT_TRUE(commit(*cpu, slots, accepted).is_ok());
+    const Status st = commit(*gpu, slots, accepted);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    for (int r = 0; r < c.batch; ++r) {
+      ASSERT_EQ(cursor_committed(*gpu, r + 1), cursor_committed(*cpu, r + 1));
+      ASSERT_EQ(cursor_pending(*gpu, r + 1), cursor_pending(*cpu, r + 1));
+      for (int layer = 0; layer < layers; ++layer) {
+        ASSERT_EQ(cursor_folded(*gpu, layer, r + 1), cursor_folded(*cpu, layer, r + 1))
+            << "step " << step << " layer " << layer << " row " << r;
+      }
+    }
+  }
+  EXPECT_EQ(slot_bytes(*gpu, guard_lo), guard_lo_bytes) << "guard slot written";
+  EXPECT_EQ(slot_bytes(*gpu, guard_hi), guard_hi_bytes) << "guard slot written";
+
+  // Materialised states (a replay cache folds first) agree as well.
+  for (int layer = 0; layer < layers; ++layer) {
+    for (int r = 0; r < c.batch; ++r) {
+      std::vector<float> sc, sg;
+      ASSERT_TRUE(export_state(*cpu, layer, r + 1, &sc).is_ok());
+      const Status st = export_state(*gpu, layer, r + 1, &sg);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      EXPECT_LE(max_rel_diff(sg, sc, 0, se), c.state_tol) << "layer " << layer << " row " << r;
+    }
+  }
+}
+
+}  // namespace
+
+WindowPair make_window_pair(const StateCacheConfig& config, int batch) {
+  WindowPair p;
+  p.window = create_cache(config);
+  p.single = create_cache(config);
+  for (int b = 0; b < batch; ++b) {
+    p.ws.push_back(allocate_slot(*p.window));
+    p.ss.push_back(allocate_slot(*p.single));
+  }
+  std::reverse(p.ss.begin(), p.ss.end());  // different slot per row in the two caches
+  return p;
+}
+
+void run_window_vs_single(WindowPair& p, std::uint64_t seed, int rounds, double* worst) {
+  if (p.window->config().kind == LayerKind::kMamba2) {
+    run_window_vs_single_impl<Mamba2Family>(p, seed, rounds, worst);
+  } else {
+    run_window_vs_single_impl<GdnFamily>(p, seed, rounds, worst);
+  }
+}
+
+void expect_window_states_match(WindowPair& p, double tol) {
+  for (std::size_t b = 0; b < p.ws.size(); ++b) {
+    std::vector<float> a, s;
+    ASSERT_TRUE(export_state(*p.window, 0, p.ws[b], &a).is_ok());
+    ASSERT_TRUE(export_state(*p.single, 0, p.ss[b], &s).is_ok());
+    double diff = 0.0, mag = 0.0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      diff = std::max(diff, double(std::fabs(a[i] - s[i])));
+      mag = std::max(mag, double(std::fabs(a[i])));
+    }
+    EXPECT_GT(mag, 0.0);
+    EXPECT_LE(diff / mag, tol);
+  }
+}
+
+void compare_cuda_vs_cpu(const CudaVsCpuSpec& spec, double* worst) {
+  if (spec.config.kind == LayerKind::kMamba2) {
+    compare_cuda_vs_cpu_impl<Mamba2Family>(spec, worst);
+  } else {
+    compare_cuda_vs_cpu_impl<GdnFamily>(spec, worst);
+  }
+}
 
 std::string int_tag(const char* prefix, int value) {
   std::string s(prefix);

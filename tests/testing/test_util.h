@@ -53,6 +53,11 @@ inline bool all_finite(const std::vector<float>& v) { return all_finite(v.data()
 /// max|out − ref| / max|ref|; +inf when out holds a NaN/Inf; the absolute error when ref = 0.
 double rel_error(const float* out, const double* ref, std::size_t n);
 double rel_error(const std::vector<float>& out, const std::vector<double>& ref);
+/// max|a − b| / max|b| over [begin, end) of two fp32 arrays (the comparisons of two backends,
+/// or of two caches, where b is the one taken as the reference); +inf when a holds a NaN or an
+/// Inf; the absolute difference when b is all zero.
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, std::size_t begin,
+                    std::size_t end);
 
 // ---------------------------------------------------------------------------------------------
 // Cache memory (host for CPU caches, device for CUDA ones), owned.
@@ -201,6 +206,9 @@ Status fold(StateCache& cache, const std::vector<std::int32_t>& slot_ids);
 std::unique_ptr<StateCache> create_cache(const StateCacheConfig& config);
 int allocate_slot(StateCache& cache);
 
+/// state_cache_export_state into `out`, sized to the cache's state.
+Status export_state(StateCache& cache, int layer, int slot, std::vector<float>* out);
+
 // ---------------------------------------------------------------------------------------------
 // Naive same-precision loops: §1/§2 in fp32 with the state stored in `state_dtype` after every
 // update and the outputs rounded to `out_dtype`. STYLE.md's yardstick for long runs: a path's
@@ -261,6 +269,64 @@ struct RunResult {
 
 RunResult run_mamba2(const RunSpec& spec);
 RunResult run_gdn(const RunSpec& spec);
+
+/// STYLE.md's rule for a low-precision run: the naive same-precision loop ran and really saw an
+/// error, and the run's error is at most twice it (+ `floor`, for errors exactly zero in both).
+void expect_within_naive(const RunResult& r, double floor);
+/// The bounds of a short fp32-input replay run by checkpoint precision, with u the unit
+/// roundoff of the read copy (bf16 2^-8, fp8 e4m3 2^-4): fp32, outputs and exported state
+/// within fp32_tol; fp32+bf16 / fp32+fp8, outputs within 2u and above fp32_tol (the low copy is
+/// what outputs read), exported state within fp32_tol (folds use the fp32 master); shared bf16,
+/// outputs within 4u and exported state within 4u but above fp32_tol (no master).
+void expect_checkpoint_bounds(const RunResult& r, CheckpointPrecision precision, double fp32_tol);
+
+/// GDN over a long memory (the dual-precision study, ALGORITHM.md §6, §10): g ≈ −0.001 and
+/// small β ~ U(0.02, 0.06), about 500-1,000 tokens of memory; Hk=2, Hv=4, K=32, V=16, replay
+/// with `buffer_len`, fp32 inputs, 2 rows, `steps` steps, seed 901, no guard slots, on the CPU
+/// (callers set cache.device and cache.checkpoint).
+RunSpec gdn_long_memory_spec(int buffer_len, int steps);
+/// The mean of v[from, to): the error of a stretch of steps.
+double mean_of(const std::vector<double>& v, int from, int to);
+
+/// Two caches of one config (kind and shape from it, capacity >= batch) driven on the same
+/// tokens, `batch` rows each: one decodes T-token windows and commits all T, the other decodes
+/// the same tokens one at a time, committing 1 each. Row b sits in slot ws[b] of `window` and
+/// ss[b] of `single`: different slots (ss is ws reversed).
+struct WindowPair {
+  std::unique_ptr<StateCache> window, single;
+  std::vector<std::int32_t> ws, ss;
+};
+WindowPair make_window_pair(const StateCacheConfig& config, int batch);
+/// `rounds` rounds of T = config.max_spec_tokens tokens (fp32, default recipe; Mamba-2 with a
+/// gate and its layer drawn first from `seed`'s stream; GDN with qk_l2norm and the default
+/// scale). *worst: max over rounds and positions t of max|o_window − o_single| / max|o_window|
+/// over the batch's outputs at t. Fatal assertions on any failed call or non-finite output.
+void run_window_vs_single(WindowPair& p, std::uint64_t seed, int rounds, double* worst);
+/// Every row's exported layer-0 state of the single-step cache against the window cache's:
+/// max|ΔS| / max|S_window| <= tol, and S_window not all zero.
+void expect_window_states_match(WindowPair& p, double tol);
+
+/// The CUDA backend against the CPU backend on the same inputs: `config` (a CPU config; the
+/// CUDA cache is its copy on Device::kCuda) with capacity batch + 2, slot 0 and the last one
+/// guards no row uses; rows in slots 1..batch plus one pad row; row r joins at step r·stagger;
+/// windows of T = config.max_spec_tokens with accepted ~ U{0..T} (1 each for T = 1).
+struct CudaVsCpuSpec {
+  StateCacheConfig config;
+  int batch = 3;
+  int steps = 24;
+  int stagger = 0;
+  std::uint64_t seed = 1;
+  bool load_initial = true;  ///< start every row from a loaded N(0, initial_sd) state
+  double initial_sd = 0.5;
+  bool gate = true;          ///< Mamba-2
+  bool qk_l2norm = true;     ///< GDN (raw keys drawn with |k| ≈ 1 without it)
+  double output_tol = 0.0;   ///< per decode call and row, max|o_cuda − o_cpu| / max|o_cpu|
+  double state_tol = 0.0;    ///< every exported state at the end, likewise
+};
+/// Fatal assertions on outputs past output_tol, a written pad row, a cursor differing after a
+/// commit, a failed call; non-fatal ones on written guard slots and exported states past
+/// state_tol. *worst: the largest output difference seen.
+void compare_cuda_vs_cpu(const CudaVsCpuSpec& spec, double* worst);
 
 /// prefix + decimal value ("L16") for test names. (Out of line: GCC 12 warns falsely about
 /// "L" + std::to_string(v) inlined at -O3, PR 105651.)
