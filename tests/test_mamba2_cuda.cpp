@@ -46,8 +46,8 @@ const Mamba2Shape kNano4b{96, 80, 128, 8};    // Nemotron-3-Nano-4B
 const Mamba2Shape kSuper120b{128, 64, 128, 8};  // Nemotron-3-Super-120B
 
 std::string shape_tag(const Mamba2Shape& s) {
-  return "H" + std::to_string(s.nheads) + "P" + std::to_string(s.head_dim) + "N" +
-         std::to_string(s.dstate) + "G" + std::to_string(s.ngroups);
+  return testing::int_tag("H", s.nheads) + testing::int_tag("P", s.head_dim) +
+         testing::int_tag("N", s.dstate) + testing::int_tag("G", s.ngroups);
 }
 
 // ---- CUDA vs CPU, side by side ---------------------------------------------------------------
