@@ -13,6 +13,12 @@
 ///     (committed - folded >= buffer_len), fused into the start of the step.
 /// T = 1 is plain decoding; T > 1 verifies a speculative window (1 real token + T-1 drafts).
 /// After the decodes of all layers, state_cache_commit(k) accepts k of the T tokens.
+///
+/// Slot ids: a CPU cache rejects an out-of-range, unallocated or repeated id with an error and
+/// writes nothing. On a CUDA cache the ids are device memory: rows whose id is out of range or
+/// not allocated are skipped on the device (nothing of theirs is written or read beyond the id
+/// itself); repeated ids are not detected there. Nothing in a CUDA decode allocates or
+/// synchronises, so whole steps can be captured in a CUDA graph.
 
 #include <cstdint>
 

@@ -102,6 +102,8 @@ struct CommitArgs {
 
 /// Accepts k of the tokens the last decode appended, for every layer at once: committed += k.
 /// Rejected drafts stay in the ring to be overwritten: rollback is a cursor move.
+/// CPU caches reject k outside [0, pending] with an error; CUDA caches, whose counts are device
+/// memory (no host round trip, graph-capturable), clamp k to [0, pending] on the device.
 Status state_cache_commit(StateCache& cache, const CommitArgs& args);
 
 struct FoldArgs {
