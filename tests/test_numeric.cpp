@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/numeric.h"
+#include "cpu/cpu_common.h"
 
 namespace replayssm {
 namespace {
@@ -295,6 +296,22 @@ TEST(NumericRounding, Fp8MatchesNearestSearch) {
 }
 
 // ---- math helpers ---------------------------------------------------------------------------
+
+// The CPU backend's vectorisable codecs (cpu_common.h) against numeric.h's, which the CUDA
+// kernels use: they must agree bit for bit, or CPU and GPU checkpoints drift apart. Every 251st
+// fp32 bit pattern (all signs, exponents, NaN/Inf included), plus every fp8 code for widen.
+// (The whole 2^32 sweep, 10 s, agreed as well when narrow_fp8 was written.)
+TEST(NumericFp8, CpuCodecsMatchTheSharedOnes) {
+  for (std::uint64_t i = 0; i <= 0xffffffffull; i += 251) {
+    const float f = bits_float(static_cast<std::uint32_t>(i));
+    ASSERT_EQ(cpu::narrow_fp8(f).bits, float_to_fp8e4m3(f).bits) << std::hex << i;
+  }
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;  // NaN codes: widen reads them as ±480 by design
+    const fp8e4m3_t v{static_cast<std::uint8_t>(code)};
+    ASSERT_EQ(float_bits(cpu::widen(v)), float_bits(to_float(v))) << code;
+  }
+}
 
 TEST(NumericMath, SoftplusAndSilu) {
   EXPECT_FLOAT_EQ(softplus(0.0f), std::log(2.0f));
