@@ -6,7 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__F16C__) && defined(__AVX2__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
 
 #include "common/numeric.h"
 #include "replayssm/types.h"
@@ -74,6 +79,28 @@ inline float widen(fp8e4m3_t v) {
   const std::uint32_t is_subnormal = 0u - static_cast<std::uint32_t>(magnitude < 8u);
   const std::uint32_t sign = std::uint32_t(v.bits & 0x80u) << 24;
   return bits_float(((subnormal & is_subnormal) | (normal & ~is_subnormal)) | sign);
+}
+
+/// out[i] = widen(codes[i]) for a row. With F16C, eight codes at a time through the hardware
+/// f16 → f32 conversion: an e4m3 code is an f16 with a zero top exponent bit and three
+/// mantissa bits, so shifting its bits into f16 position and scaling by 2^8 (the difference of
+/// the biases, 15 − 7) is exact, subnormals included. The integer decode of widen() made the
+/// fp8 mat-vec compute-bound (as slow as the fp32 one).
+inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
+  int i = 0;
+#if defined(__F16C__) && defined(__AVX2__) && !defined(__CUDACC__)
+  const __m128i sign_mask = _mm_set1_epi16(0x80), magnitude_mask = _mm_set1_epi16(0x7f);
+  const __m256 bias = _mm256_set1_ps(256.0f);
+  for (; i + 8 <= n; i += 8) {
+    __m128i b;
+    std::memcpy(&b, codes + i, 8);  // eight codes in the low half
+    const __m128i w = _mm_cvtepu8_epi16(b);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, sign_mask), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, magnitude_mask), 7));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), bias));
+  }
+#endif
+  for (; i < n; ++i) out[i] = widen(codes[i]);
 }
 
 /// fp32 → fp8 e4m3 code, bit-identical to numeric.h's float_to_fp8e4m3 (round to nearest even,
@@ -178,8 +205,7 @@ inline void checkpoint_matvec(const CheckpointHead& c, const float* vecs, int T,
     // only vectorised 4 lanes wide (measured 0.7x of eager; widened apart it runs full width).
     float* row = partials + T * per_token;
     for (int r = 0; r < c.rows; ++r) {
-      const fp8e4m3_t* codes = c.lo_fp8 + std::size_t(r) * c.cols;
-      for (int i = 0; i < c.cols; ++i) row[i] = widen(codes[i]);
+      widen_fp8_row(c.lo_fp8 + std::size_t(r) * c.cols, c.cols, row);
       for (int t = 0; t < T; ++t) {
         RowDots(c.rows, partials + t * per_token)
             .set(r, row, vecs + std::size_t(t) * c.cols, c.cols, c.lo_scale[r]);
