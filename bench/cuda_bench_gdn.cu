@@ -1,8 +1,8 @@
 // The Gated DeltaNet part of the CUDA benchmark (cuda_bench_gdn.h): eager against replay decode
 // of one layer at the real shapes, and speculative verify against eager spec, on the GPU.
 //
-// Built with -DREPLAYSSM_GDN_BENCH_MAIN it is also a stand-alone program (scripts/device_gdn.sh)
-// that prints the issue-4 tables and writes them as JSON into the directory given as argv[1].
+// The sweeps over batch, L and flush patterns run through bench/cuda_bench_main.cpp
+// (replayssm_cuda_bench --shapes qwen35-4b,qwen35-122b).
 
 #include <cuda_runtime.h>
 
@@ -491,106 +491,3 @@ Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, i
 }
 
 }  // namespace replayssm
-
-#if defined(REPLAYSSM_GDN_BENCH_MAIN)
-
-// Stand-alone issue-4 benchmark: the headline tables for qwen35-4b and qwen35-122b, batch and
-// L sweeps, and speculative verify. Usage: cuda_bench_gdn OUT_DIR [--quick]
-int main(int argc, char** argv) {
-  using namespace replayssm;
-  const std::string dir = argc > 1 ? argv[1] : ".";
-  const bool quick = argc > 2 && std::string(argv[2]) == "--quick";
-  auto check = [](const Status& st) {
-    if (!st.is_ok()) {
-      std::fprintf(stderr, "error: %s\n", st.to_string().c_str());
-      std::exit(1);
-    }
-  };
-  cudaDeviceProp prop{};
-  (void)cudaGetDeviceProperties(&prop, 0);
-  double copy = 0.0, read = 0.0;
-  check(cuda_bench_bandwidth(&copy, &read));
-  std::printf("device %s: copy %.1f GB/s (read+write), read %.1f GB/s\n", prop.name, copy, read);
-
-  const auto report_run = [&](const char* name, BenchOptions o,
-                              const std::vector<std::string>& shapes, int layers) {
-    BenchReport report;
-    report.device = prop.name;
-    report.copy_gbps = copy;
-    for (const std::string& s : shapes) check(run_cuda_bench_gdn(*bench_shape_find(s), o, &report, layers));
-    bench_finish(&report, o);
-    std::printf("\n== %s (layers per commit: %d)\n", name, layers);
-    bench_print(report, stdout);
-    std::fflush(stdout);
-    check(bench_write_json(report, o, dir + "/gdn_" + name + ".json"));
-  };
-
-  BenchOptions o;
-  o.device = Device::kCuda;
-  o.batches = {256};
-  o.buffer_len = 16;
-  o.repetitions = 9;
-  o.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16,
-                   CheckpointPrecision::kFp32Fp8, CheckpointPrecision::kBf16};
-  const std::vector<std::string> both = {"qwen35-4b", "qwen35-122b"};
-  report_run("headline_aligned", o, both, 1);
-  BenchOptions s = o;
-  s.flush = FlushPattern::kStaggered;
-  report_run("headline_staggered", s, both, 1);
-  BenchOptions four = o;
-  four.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16,
-                      CheckpointPrecision::kBf16};
-  report_run("layers4", four, {"qwen35-4b"}, 4);
-  BenchOptions b16 = o;
-  b16.eager_state_dtype = DType::kBF16;
-  b16.checkpoints = {CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16};
-  report_run("bf16_state", b16, {"qwen35-4b"}, 1);
-  if (!quick) {
-    BenchOptions sweep = o;
-    sweep.batches = {1, 64, 1024};
-    sweep.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16};
-    report_run("batch_sweep", sweep, {"qwen35-4b"}, 1);
-    for (int L : {8, 32}) {
-      BenchOptions l = o;
-      l.buffer_len = L;
-      l.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16};
-      report_run(("L" + std::to_string(L)).c_str(), l, {"qwen35-4b"}, 1);
-    }
-  }
-
-  // Speculative verify, T = 4.
-  std::vector<GdnSpecResult> spec;
-  BenchOptions so = o;
-  so.checkpoints = {CheckpointPrecision::kFp32, CheckpointPrecision::kFp32Bf16};
-  for (const std::string& name : both) {
-    for (int k : {4, 2}) check(run_cuda_bench_gdn_spec(*bench_shape_find(name), 256, 4, k, so, &spec));
-  }
-  std::printf("\n== spec verify, T = 4, batch 256, L = 16 (us per verify step of one layer)\n");
-  std::printf("%-12s %-10s %3s %10s %10s %12s %8s %10s\n", "shape", "ckpt", "k", "replay",
-              "eager T", "eager fused", "speedup", "vs fused");
-  FILE* f = std::fopen((dir + "/gdn_spec.json").c_str(), "w");
-  if (f != nullptr) std::fprintf(f, "[\n");
-  for (std::size_t i = 0; i < spec.size(); ++i) {
-    const GdnSpecResult& r = spec[i];
-    std::printf("%-12s %-10s %3d %10.1f %10.1f %12.1f %7.2fx %9.2fx\n", r.shape.c_str(),
-                checkpoint_precision_name(r.checkpoint), r.accepted, r.replay_us, r.eager_us,
-                r.eager_fused_us, r.speedup, r.speedup_fused);
-    if (f != nullptr) {
-      std::fprintf(f,
-                   "  {\"shape\": \"%s\", \"batch\": %d, \"window\": %d, \"accepted\": %d, "
-                   "\"buffer_len\": %d, \"checkpoint\": \"%s\", \"replay_us\": %.3f, "
-                   "\"eager_spec_us\": %.3f, \"eager_spec_fused_us\": %.3f, \"speedup\": %.3f, "
-                   "\"speedup_vs_fused\": %.3f}%s\n",
-                   r.shape.c_str(), r.batch, r.window, r.accepted, r.buffer_len,
-                   checkpoint_precision_name(r.checkpoint), r.replay_us, r.eager_us,
-                   r.eager_fused_us, r.speedup, r.speedup_fused, i + 1 < spec.size() ? "," : "");
-    }
-  }
-  if (f != nullptr) {
-    std::fprintf(f, "]\n");
-    std::fclose(f);
-  }
-  return 0;
-}
-
-#endif  // REPLAYSSM_GDN_BENCH_MAIN

@@ -9,9 +9,9 @@
 //                        [--spec-window 4] [--spec-accepted 4] [--spec-batches 64,256]
 //                        [--reps 7] [--json out.json]
 
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
-#include <map>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,21 +19,6 @@
 #include "bench.h"
 
 namespace {
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
-std::vector<int> ints(const std::string& s) {
-  std::vector<int> out;
-  for (const std::string& v : split(s)) out.push_back(std::stoi(v));
-  return out;
-}
 
 int fail(const replayssm::Status& s) {
   std::fprintf(stderr, "replayssm_cuda_bench: %s\n", s.to_string().c_str());
@@ -44,32 +29,47 @@ int fail(const replayssm::Status& s) {
 
 int main(int argc, char** argv) {
   using namespace replayssm;
-  std::map<std::string, std::string> arg = {
-      {"--shapes", "nano4b,super120b"}, {"--batches", "1,64,256,1024"}, {"--L", "8,16,32"},
-      {"--flush", "aligned,staggered"}, {"--checkpoints", "fp32,bf16,fp32+bf16,fp32+fp8"},
-      {"--spec-window", "4"},           {"--spec-accepted", "4"},      {"--spec-batches", "64,256"},
-      {"--reps", "7"},                  {"--json", ""}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (arg.count(argv[i]) == 0) {
-      std::fprintf(stderr, "unknown option %s\n", argv[i]);
-      return 2;
-    }
-    arg[argv[i]] = argv[i + 1];
-  }
+  CLI::App app{"The full CUDA sweep of BENCHMARKS.md, then the speculative comparison"};
+  std::vector<std::string> shapes = {"nano4b", "super120b"};
+  std::vector<int> batches = {1, 64, 256, 1024};
+  std::vector<int> buffer_lens = {8, 16, 32};
+  std::vector<std::string> flushes = {"aligned", "staggered"};
+  std::vector<std::string> checkpoints = {"fp32", "bf16", "fp32+bf16", "fp32+fp8"};
+  std::vector<int> spec_batches = {64, 256};
+  int spec_window = 4, spec_accepted = 4, reps = 7;
+  std::string json;
+  app.add_option("--shapes", shapes, "Layer shapes")->delimiter(',');
+  app.add_option("--batches", batches, "Batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
+  app.add_option("--L", buffer_lens, "Buffer lengths")->delimiter(',')->check(CLI::PositiveNumber);
+  app.add_option("--flush", flushes, "aligned and/or staggered")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"aligned", "staggered"}));
+  app.add_option("--checkpoints", checkpoints, "Replay checkpoint precisions")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fp32", "bf16", "fp32+bf16", "fp32+fp8"}));
+  app.add_option("--spec-window", spec_window, "Verify window T (1: skip the comparison)")
+      ->check(CLI::Range(1, 8));
+  app.add_option("--spec-accepted", spec_accepted, "Tokens accepted per window")
+      ->check(CLI::Range(1, 8));
+  app.add_option("--spec-batches", spec_batches, "Batch sizes of the comparison")->delimiter(',');
+  app.add_option("--reps", reps, "Timed repetitions (median)")->check(CLI::Range(1, 1000));
+  app.add_option("--json", json, "Write all results as JSON");
+  CLI11_PARSE(app, argc, argv);
+
   BenchOptions o;
   o.device = Device::kCuda;
-  o.shapes = split(arg["--shapes"]);
-  o.batches = ints(arg["--batches"]);
-  o.repetitions = std::stoi(arg["--reps"]);
+  o.shapes = shapes;
+  o.batches = batches;
+  o.repetitions = reps;
   o.checkpoints.clear();
-  for (const std::string& c : split(arg["--checkpoints"])) {
+  for (const std::string& c : checkpoints) {
     CheckpointPrecision p;
-    if (!parse_checkpoint_precision(c, &p)) return fail(invalid_argument("bad checkpoint " + c));
+    parse_checkpoint_precision(c, &p);  // checked by IsMember above
     o.checkpoints.push_back(p);
   }
   BenchReport all;
-  for (int L : ints(arg["--L"])) {
-    for (const std::string& f : split(arg["--flush"])) {
+  for (int L : buffer_lens) {
+    for (const std::string& f : flushes) {
       BenchOptions run = o;
       run.buffer_len = L;
       run.flush = f == "staggered" ? FlushPattern::kStaggered : FlushPattern::kAligned;
@@ -82,14 +82,12 @@ int main(int argc, char** argv) {
       all.results.insert(all.results.end(), report.results.begin(), report.results.end());
     }
   }
-  const int window = std::stoi(arg["--spec-window"]);
-  if (window > 1) {
+  if (spec_window > 1) {
     BenchOptions so = o;
     so.buffer_len = 16;
-    so.batches = ints(arg["--spec-batches"]);
+    so.batches = spec_batches;
     BenchReport spec;
-    if (Status s = run_cuda_spec_bench(so, window, std::stoi(arg["--spec-accepted"]), &spec);
-        !s.is_ok()) {
+    if (Status s = run_cuda_spec_bench(so, spec_window, spec_accepted, &spec); !s.is_ok()) {
       return fail(s);
     }
     bench_print(spec, stdout);
@@ -99,9 +97,8 @@ int main(int argc, char** argv) {
     }
     all.spec = std::move(spec.spec);
   }
-  const std::string path = arg["--json"];
-  if (!path.empty()) {
-    if (Status s = bench_write_json(all, o, path); !s.is_ok()) return fail(s);
+  if (!json.empty()) {
+    if (Status s = bench_write_json(all, o, json); !s.is_ok()) return fail(s);
   }
   return 0;
 }
