@@ -32,6 +32,10 @@ void commit(StateCacheLayout& cache, const CommitArgs& args);
 #if defined(REPLAYSSM_WITH_CUDA)
 namespace cuda {
 bool device_present();
+Status memory_alloc(std::size_t bytes, void** ptr);  // zero-filled device memory
+void memory_free(void* ptr);
+Status memory_zero(void* ptr, std::size_t bytes);
+Status memory_copy(void* dst, const void* src, std::size_t bytes);  // cudaMemcpyDefault
 Status mamba2_decode(StateCacheLayout& cache, const Mamba2DecodeArgs& args);
 Status gdn_decode(StateCacheLayout& cache, const GdnDecodeArgs& args);
 /// Folds the committed history of every layer of the given slots (dispatches on kind).

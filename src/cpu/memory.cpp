@@ -9,15 +9,6 @@
 
 namespace replayssm {
 
-#if defined(REPLAYSSM_WITH_CUDA)
-namespace cuda {
-Status memory_alloc(std::size_t bytes, void** ptr);
-void memory_free(void* ptr);
-Status memory_zero(void* ptr, std::size_t bytes);
-Status memory_copy(void* dst, const void* src, std::size_t bytes);  // cudaMemcpyDefault
-}  // namespace cuda
-#endif
-
 namespace {
 constexpr std::size_t kAlign = 256;
 // Buffers of a few MB and more (states, checkpoints, rings) go on 2 MB-aligned memory that
