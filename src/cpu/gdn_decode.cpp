@@ -136,7 +136,7 @@ void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& r
   // The checkpoint's part, one pass for all T tokens: acc[t] += S_c·tq_t.
   float* sc = scratch(3, std::size_t(T) * V);
   checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), tq, T, sc,
-                    scratch(4, std::size_t(T) * RowDots::kLanes * V + K));
+                    scratch(4, checkpoint_matvec_scratch(T, V, K)));
   for (std::size_t i = 0; i < std::size_t(T) * V; ++i) acc[i] += sc[i];
   for (int t = 0; t < T; ++t) {
     auto* o = static_cast<input_t*>(a.o) + ((std::int64_t{row.b} * T + t) * d.heads + h) * V;

@@ -141,7 +141,7 @@ void replay_group(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRo
       }
     }
     checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h0 + hh), C, T, acc_at(hh, 0),
-                      scratch(4, std::size_t(T) * RowDots::kLanes * P + N));
+                      scratch(4, checkpoint_matvec_scratch(T, P, N)));
   }
   // B_j·C_t, once per group.
   for (std::uint32_t j = 0; j < count; ++j) {
