@@ -24,23 +24,37 @@
 
 namespace replayssm::cuda::gdn {
 
-/// Replay CTA size. A replay step is bound by how many CTAs per SM are in their prologue at
-/// once (slot → cursor loads → ring staging → the serial walk: ~9 µs under load, during which a
+/// Replay tile. A replay step is bound by how many CTAs per SM are in their prologue at once
+/// (slot → cursor loads → ring staging → the serial walk: ~9 µs under load, during which a
 /// CTA streams little), more than by the bytes a CTA has in flight. Measured on the H200
-/// (qwen35-4b, batch 256, L = 16, µs per step, fp32 / fp32+bf16 checkpoint):
-///   256 threads × 80 regs, 3 CTAs/SM, state loaded after the walks        210 / 180
-///   256 threads × 128 regs, 2 CTAs/SM, whole 64 KB slice prefetched         340 / 228
-///   128 threads × 80 regs, 6 CTAs/SM, first pass prefetched (this)          196 / 153
+/// (qwen35-4b, batch 256, L = 16, µs per step, fp32 / bf16 / fp32+bf16 checkpoint):
+///   256 threads × 80 regs, 3 CTAs/SM, state loaded after the walks          210 / -   / 180
+///   256 threads × 128 regs, 2 CTAs/SM, whole 64 KB slice prefetched          340 / -   / 228
+///   128 threads × 80 regs, 6 CTAs/SM, 128 B/thread prefetched                200 / 165 / 156
+///     + 1 to 3 more 16 KB passes in flight through shared memory (bulk copies; 4-6 CTAs/SM)
+///                                                                 198-257 / 175-261 / 165-246
+///   64 threads × 80 regs, 12 CTAs/SM, 128 B/thread                           199 / 153 / 148
+///   64 threads × 64 regs, 16 CTAs/SM, 64 B/thread                            208 / 153 / 155
+///   256 threads × 64 regs, 4 CTAs/SM, 64 B/thread                            209 / 167 / 168
+///   CTAs split per value head (64 or 128 threads): 4-27 µs slower (walks, staging repeated)
+///   128 threads × 64 regs, 8 CTAs/SM, 64 B/thread, 1 fold row per thread     197 / 145 / 147
+///   the same, 2 fold rows per thread (this; gdn_replay.cu, kFoldRows)        190 / 145 / 143
+/// (the previous tile, 6 CTAs/SM, measured in that same run: 201 / 165 / 157)
 constexpr int kThreads = 128;
+constexpr int kReplayMinBlocks = 8;
+/// Bytes of the read copy each thread has in flight per pass (fp32: 1 row, bf16 2, fp8 4).
+constexpr int kReplayRowBytes = 64;
 constexpr int kWarps = kThreads / 32;
-/// Eager CTA size: no prologue to hide, 256 threads × 80 registers stream at 88% of copy.
-constexpr int kEagerThreads = 256;
+/// Eager tile (gdn_eager.cu has the measurements): 64 threads, 2 rows in flight per thread,
+/// 12 CTAs per SM (80 registers), one pass of 16 rows per CTA.
+constexpr int kEagerThreads = 64;
+constexpr int kEagerRows = 2;
+constexpr int kEagerMinBlocks = 12;
 constexpr int kMaxHeadKDim = 128;  ///< K tile: rows are split as if K were 128
 constexpr int kHeadKDimStep = 16;  ///< K must be a multiple: one 16-byte fp8 vector
 constexpr int kMaxHeadVDim = 128;  ///< a walking warp holds V/32 outputs per lane
 constexpr int kRowLanes = 8;
 constexpr int kRowGroups = kThreads / kRowLanes;  ///< rows a replay CTA touches per access
-constexpr int kEagerRowGroups = kEagerThreads / kRowLanes;
 using Split = RowSplit<kMaxHeadKDim, kRowLanes>;
 constexpr int kPerLane = Split::kPerLane;  ///< 16 columns of a row per lane
 constexpr int kWalkPerLane = kMaxHeadKDim / 32;

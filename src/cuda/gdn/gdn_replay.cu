@@ -42,21 +42,23 @@ namespace replayssm::cuda::gdn {
 
 namespace {
 
-/// Rows of the read copy each thread has in flight per pass: 128 bytes (2 fp32 rows, 4 bf16,
-/// 8 fp8). The first pass is requested before the prologue; 256 bytes per thread cost the
-/// registers of a whole CTA per SM (see kThreads).
+/// Rows of the read copy each thread has in flight per pass: kReplayRowBytes of them (fp32 1,
+/// bf16 2, fp8 4). The first pass is requested before the prologue.
 template <typename read_t>
-constexpr int kOutputRows = 128 / (kPerLane * int(sizeof(read_t)));
+constexpr int kOutputRows = kReplayRowBytes / (kPerLane * int(sizeof(read_t)));
 /// Rows per thread in a fold: fp32 rows live in registers across the whole history, and the
-/// history's keys are gathered once per token for all of them.
+/// history's keys are gathered once per token for both. Two rows spill up to 60 bytes under
+/// the 64-register cap (one row: up to 4), but one row gathers every key once per row: measured,
+/// 7 µs more per step (fp32, L = 16, aligned flushes: one fold step in 16) and 24 µs more per
+/// spec verify step with 4 tokens committed per step (a fold every 4 steps).
 constexpr int kFoldRows = 2;
 
 /// Phase 1: the committed history's records (positions first .. first+hist-1) into shared
 /// memory, as staged ring records [j] = position first + j.
 template <typename input_t>
 __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, int slot, int hk,
-                                              std::uint32_t first, int hist,
-                                              unsigned char* smem) {
+                                              std::uint32_t first, int hist, int h_lo,
+                                              int h_hi, unsigned char* smem) {
   const StateCacheLayout& l = p.cache;
   const int K = l.dims.cols, V = l.dims.rows, Hk = l.dims.key_heads, Hv = l.dims.heads;
   const int G = p.heads_per_key, h0 = hk * G;
@@ -70,9 +72,13 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
   const auto* ring_vec = static_cast<const unsigned char*>(l.ring_vec);
 
   const int key_chunks = K * in / 16;  // K % 16 == 0: whole 16-byte vectors
-  const int vec_chunks = p.vec_async ? G * V * in / 16 : 0;
+  // Only the v of the value heads this CTA's rows belong to, when a head is whole vectors.
+  const bool head_runs = V * in % 16 == 0;
+  const int vec_c0 = head_runs ? h_lo * V * in / 16 : 0;
+  const int vec_chunks = !p.vec_async ? 0 : head_runs ? (h_hi + 1 - h_lo) * V * in / 16
+                                                       : G * V * in / 16;
   const int per_record = key_chunks + vec_chunks;
-  for (int i = threadIdx.x; i < hist * per_record; i += kThreads) {
+  for (int i = threadIdx.x; i < hist * per_record; i += blockDim.x) {
     const int j = i / per_record;
     const int c = i - j * per_record;
     const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
@@ -80,13 +86,14 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
       cp_async16(s_key + (j * K) * in + c * 16,
                  ring_key + ((rec * Hk + hk) * K) * in + c * 16);
     } else {
-      cp_async16(s_vec + (j * p.smem.vec_stride) * in + (c - key_chunks) * 16,
-                 ring_vec + ((rec * Hv + h0) * V) * in + (c - key_chunks) * 16);
+      const int cv = vec_c0 + c - key_chunks;
+      cp_async16(s_vec + (j * p.smem.vec_stride) * in + cv * 16,
+                 ring_vec + ((rec * Hv + h0) * V) * in + cv * 16);
     }
   }
   if (!p.vec_async) {  // small shapes whose G·V run is not a whole number of 16-byte vectors
     const int n = G * V;
-    for (int i = threadIdx.x; i < hist * n; i += kThreads) {
+    for (int i = threadIdx.x; i < hist * n; i += blockDim.x) {
       const int j = i / n;
       const int e = i - j * n;
       const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
@@ -94,14 +101,14 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
           static_cast<const input_t*>(l.ring_vec)[(rec * Hv + h0) * V + e];
     }
   }
-  for (int i = threadIdx.x; i < hist * G; i += kThreads) {
+  for (int i = threadIdx.x; i < hist * G; i += blockDim.x) {
     const int j = i / G;
     const int h = i - j * G;
     const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
     s_alpha[i] = expf(l.ring_decay[rec * Hv + h0 + h]);
     s_beta[i] = l.ring_write[rec * Hv + h0 + h];
   }
-  for (int j = threadIdx.x; j < hist; j += kThreads) {
+  for (int j = threadIdx.x; j < hist; j += blockDim.x) {
     const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
     s_kscale[j] = l.ring_key_scale[rec * Hk + hk];
   }
@@ -130,7 +137,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
   // fp32, as the CPU does.
   float* s_kscale = s_f + p.smem.kscale;
   float* ring_key_scale = l.ring_key_scale;
-  for (int job = warp; job < 2 * T; job += kWarps) {
+  for (int job = warp; job < 2 * T; job += blockDim.x / 32) {
     const bool is_key = job < T;
     const int t = is_key ? job : job - T;
     const std::int64_t bt = std::int64_t{b} * T + t;
@@ -163,7 +170,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
     }
   }
   const int n = G * V;
-  for (int i = threadIdx.x; i < T * n; i += kThreads) {
+  for (int i = threadIdx.x; i < T * n; i += blockDim.x) {
     const int t = i / n;
     const int e = i - t * n;
     const input_t x = static_cast<const input_t*>(in.v)[((std::int64_t{b} * T + t) * Hv + h0) * V + e];
@@ -173,7 +180,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
       ring_vec[(rec * Hv + h0) * V + e] = x;
     }
   }
-  for (int i = threadIdx.x; i < T * G; i += kThreads) {
+  for (int i = threadIdx.x; i < T * G; i += blockDim.x) {
     const int t = i / G;
     const int h = i - t * G;
     const std::int64_t bth = (std::int64_t{b} * T + t) * Hv + h0 + h;
@@ -204,7 +211,7 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
   const auto* s_key = reinterpret_cast<const input_t*>(smem + p.smem.key_bytes);
   const auto* s_vec = reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes);
   const int nh = h_hi - h_lo + 1;
-  for (int id = warp; id < T * nh; id += kWarps) {
+  for (int id = warp; id < T * nh; id += blockDim.x / 32) {
     const int t = id / nh;
     const int h = h_lo + (id - t * nh);
     float q[kWalkPerLane], acc[kWalkPerLane];
@@ -270,7 +277,7 @@ __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int b, int h
 }
 
 template <typename input_t, CheckpointPrecision P>
-__global__ void __launch_bounds__(kThreads, 6)
+__global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     gdn_replay_kernel(const __grid_constant__ ReplayParams p) {
   using Traits = CheckpointTraits<P>;
   using read_t = typename Traits::read_t;
@@ -331,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 6)
   const int h_lo = row_begin / V, h_hi = (row_end - 1) / V;
 
   // Phase 1.
-  stage_history<input_t>(p, layer, slot, hk, first, hist, smem);
+  stage_history<input_t>(p, layer, slot, hk, first, hist, h_lo, h_hi, smem);
   if (T > 0) stage_window<input_t>(p, layer, slot, hk, b, committed, hist, split == 0, smem);
   if (T > 0 && hk == 0 && split == 0 && threadIdx.x == 0) {
     l.pending[slot] = static_cast<std::uint8_t>(T);
