@@ -152,6 +152,24 @@ INSTANTIATE_TEST_SUITE_P(
              "_" + keys_tag(i.param.l2norm, i.param.scale);
     });
 
+// Strong decays (α = e^-8 per token): a fold's decay product underflows within one cycle of
+// L = 16, which the fold must absorb (the CPU fold carries its rows as Γ·ŝ and rescales them)
+// instead of turning 1/Γ into inf.
+TEST(GdnReplayStrongDecay, MatchesOracle) {
+  RunSpec spec = gdn_spec(kSmall, DecodeMode::kReplay, DType::kF32);
+  spec.cache.buffer_len = 16;
+  set_keys(&spec, true, 0.0f);
+  spec.recipe.g_fixed = -8.0;
+  spec.batch = 2;
+  spec.steps = 4 * 16 + 3;
+  spec.stagger = 3;
+  spec.seed = 451;
+  const RunResult r = testing::run_gdn(spec);
+  ASSERT_EQ(r.failure, "");
+  EXPECT_LE(r.max_error, kFp32Tol);
+  EXPECT_LE(r.export_error, kFp32Tol);
+}
+
 struct StructuredCase {
   DecodeMode mode;
   int L;

@@ -173,14 +173,67 @@ void fold_heads_mamba2(const StateCacheLayout& l, int layer, int slot, int head_
 
 // GDN: the delta rule token by token, each value row on its own:
 //   s ← α·s;  d = β·(v − s·k̂);  s ← s + d·k̂.
+// Rows are folded kFoldRows at a time, token by token across the block: a row's tokens form a
+// dependent chain (each d needs the finished s·k̂), and one row at a time that chain's
+// reduction latency set the fold's speed (a fold step cost ~3x an eager step on the 2-core
+// EPYC); R independent rows keep the pipelines full. s·k̂ keeps 16 partial sums, added up
+// once per row and token. The block is carried as s = Γ·ŝ, Γ the product of the decays so
+// far, so a token costs two passes over a row (ŝ·k̂, then ŝ += (d/Γ)·k̂) instead of three
+// (s ← α·s first); Γ is multiplied back into ŝ before 1/Γ could overflow, and at the end.
+constexpr float kGdnFoldRescaleBelow = 1e-12f;
+
+template <int R>
+void fold_rows_gdn(const CheckpointHead& c, int v0, float* in, const float* keys,
+                   const float* alpha, const float* beta, const float* values /* [count, rows] */,
+                   std::uint32_t count) {
+  const int cols = c.cols;
+  for (int r = 0; r < R; ++r) read_master_row(c, v0 + r, in + std::size_t(r) * cols);
+  const NextRowsPrefetch prefetch(c, v0 + R, v0 + 2 * R <= c.rows ? R : 0);
+  const int blocks = cols / kLanes;
+  float gamma = 1.0f;  // the same for every row of a head
+  auto rescale = [&] {
+    for (int r = 0; r < R; ++r) {
+      float* s = in + std::size_t(r) * cols;
+      for (int n = 0; n < cols; ++n) s[n] *= gamma;
+    }
+    gamma = 1.0f;
+  };
+  for (std::uint32_t j = 0; j < count; ++j) {
+    if (int(j) < blocks) prefetch.slice(int(j), std::min<int>(blocks, int(count)));
+    const float* key = keys + std::size_t(j) * cols;
+    gamma *= alpha[j];
+    const float inv_gamma = 1.0f / gamma;
+    float d[R];
+    for (int r = 0; r < R; ++r) {
+      const float* s = in + std::size_t(r) * cols;
+      Lanes part = {};
+      int n = 0;
+      for (; n + kLanes <= cols; n += kLanes) part += load_lanes(s + n) * load_lanes(key + n);
+      float sk = 0.0f;
+      for (int k = 0; k < kLanes; ++k) sk += part[k];
+      for (; n < cols; ++n) sk += s[n] * key[n];
+      d[r] = beta[j] * (values[std::size_t(j) * c.rows + v0 + r] - gamma * sk) * inv_gamma;
+    }
+    for (int r = 0; r < R; ++r) {
+      float* s = in + std::size_t(r) * cols;
+      for (int n = 0; n < cols; ++n) s[n] += d[r] * key[n];
+    }
+    if (gamma < kGdnFoldRescaleBelow) rescale();
+  }
+  rescale();
+  for (int r = 0; r < R; ++r) write_row(c, v0 + r, in + std::size_t(r) * cols);
+}
+
 template <typename input_t>
 void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
                    std::uint32_t first, std::uint32_t count) {
   const int rows = l.dims.rows, cols = l.dims.cols;
   const int key_head = head / l.dims.heads_per_key();
+  // The records as fp32, read once: k̂ [count, cols], α, β [count], v [count, rows].
   float* keys = scratch(kFoldScratch + 0, std::size_t(count) * cols);
   float* alpha = scratch(kFoldScratch + 1, count);
   float* beta = scratch(kFoldScratch + 2, count);
+  float* values = scratch(kFoldScratch + 3, std::size_t(count) * rows);
   for (std::uint32_t j = 0; j < count; ++j) {
     const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
     const float key_scale = r.key_scale[key_head];
@@ -189,21 +242,17 @@ void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
     }
     alpha[j] = std::exp(r.decay[head]);
     beta[j] = r.write[head];
+    for (int v = 0; v < rows; ++v) {
+      values[std::size_t(j) * rows + v] = to_float(r.vec[head * rows + v]);
+    }
   }
   const CheckpointHead c = checkpoint_head(l, layer, slot, head);
-  float* row = scratch(kFoldScratch + 3, cols);
-  for (int v = 0; v < rows; ++v) {
-    read_master_row(c, v, row);
-    for (std::uint32_t j = 0; j < count; ++j) {
-      const float* key = keys + std::size_t(j) * cols;
-      const float value = to_float(ring_record<input_t>(l, layer, slot, first + j).vec[head * rows + v]);
-      for (int k = 0; k < cols; ++k) row[k] *= alpha[j];
-      const float d = beta[j] * (value - dot(row, key, cols));
-#pragma omp simd
-      for (int k = 0; k < cols; ++k) row[k] += d * key[k];
-    }
-    write_row(c, v, row);
+  float* in = scratch(kFoldScratch + 4, std::size_t(kFoldRows) * cols);
+  int v = 0;
+  for (; v + kFoldRows <= rows; v += kFoldRows) {
+    fold_rows_gdn<kFoldRows>(c, v, in, keys, alpha, beta, values, count);
   }
+  for (; v < rows; ++v) fold_rows_gdn<1>(c, v, in, keys, alpha, beta, values, count);
 }
 
 }  // namespace

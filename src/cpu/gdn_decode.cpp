@@ -1,7 +1,9 @@
 // Gated DeltaNet decode on the CPU: eager (ALGORITHM.md §2) and replay with the adjoint output
 // form (§4): the query is walked back through the window, newest token first, then meets the
-// checkpoint in one mat-vec; the state is never built. Parallel over batch × value heads.
+// checkpoint in one mat-vec; the state is never built. Parallel over batch × heads (replay:
+// key heads, each serving its value heads).
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -95,52 +97,92 @@ void append_window(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow&
   }
 }
 
-// One value head of one row: fold if due, then for each window token t the adjoint walk
+// The value heads of one key head of one row (they share q and k): fold if due, then for
+// each value head h and window token t the adjoint walk
 //   tq ← q̂_t;  for j = w+t … 0:  c = β_j·(k̂_j·tq);  o += c·v_j;  tq ← α_j·(tq − c·k̂_j)
 // and o += S_c·tq, with S_c read once for all T tokens.
+// The ring is read record by record into scratch first (k̂_j as fp32 once for all G heads; the
+// G heads' v rows, β and log-decays are contiguous in a record), after prefetching it whole:
+// walking the ring in place put a dependent cache miss in every step of every head's walk,
+// which made replay slower than eager on the 2-core EPYC. Then the walks run from cache, and
+// the G checkpoint blocks are streamed in address order.
 template <typename input_t>
-void replay_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& row, int h,
-                 bool fold_due) {
+void replay_key_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow& row, int kh,
+                     bool fold_due) {
   const StateDims d = l.dims;
-  const int V = d.rows, K = d.cols, T = a.num_tokens;
-  const int kh = h / d.heads_per_key();
+  const int V = d.rows, K = d.cols, T = a.num_tokens, G = d.heads_per_key();
+  const int h0 = kh * G;
   std::uint32_t first = l.folded[l.layer_slot(a.layer, row.slot)];
   std::uint32_t w = unfolded(l, a.layer, row.slot);
   if (fold_due) {
-    fold_head(l, a.layer, row.slot, h, first, w);
+    fold_heads(l, a.layer, row.slot, h0, h0 + G, first, w);
     first += w;
     w = 0;
   }
-  const float qscale = query_scale(a, K);
-  float* tq = scratch(0, std::size_t(T) * K);
-  float* acc = scratch(1, std::size_t(T) * V);
-  float* key = scratch(2, K);
-  std::fill(acc, acc + std::size_t(T) * V, 0.0f);
-  for (int t = 0; t < T; ++t) {
-    float* tq_t = tq + std::size_t(t) * K;
-    float* o_t = acc + std::size_t(t) * V;
-    normalise(static_cast<const input_t*>(a.q) +
-                  ((std::int64_t{row.b} * T + t) * d.key_heads + kh) * K,
-              K, a.qk_l2norm, qscale, tq_t);
-    for (std::uint32_t j = w + static_cast<std::uint32_t>(t) + 1; j-- > 0;) {
-      const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
-      const float key_scale = rec.key_scale[kh];
-      for (int c = 0; c < K; ++c) key[c] = to_float(rec.key[kh * K + c]) * key_scale;
-      const float coeff = rec.write[h] * dot(key, tq_t, K);
-      const input_t* v = rec.vec + h * V;
-      for (int r = 0; r < V; ++r) o_t[r] += coeff * to_float(v[r]);
-      const float alpha = std::exp(rec.decay[h]);
-      for (int c = 0; c < K; ++c) tq_t[c] = alpha * (tq_t[c] - coeff * key[c]);
+  const std::uint32_t count = w + static_cast<std::uint32_t>(T);
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
+    prefetch_bytes(rec.key + std::size_t(kh) * K, sizeof(input_t) * K);
+    prefetch_bytes(rec.vec + std::size_t(h0) * V, sizeof(input_t) * G * V);
+    prefetch_bytes(rec.key_scale + kh, sizeof(float));
+    prefetch_bytes(rec.write + h0, sizeof(float) * G);
+    prefetch_bytes(rec.decay + h0, sizeof(float) * G);
+  }
+  // Staged records: k̂ [count, K]; per head h: β, α [count] and v [count, V].
+  float* keys = scratch(0, std::size_t(count) * K);
+  float* beta = scratch(1, std::size_t(G) * count);
+  float* alpha = scratch(2, std::size_t(G) * count);
+  float* vals = scratch(3, std::size_t(G) * count * V);
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const RingRecord<input_t> rec = ring_record<input_t>(l, a.layer, row.slot, first + j);
+    const float key_scale = rec.key_scale[kh];
+    float* key = keys + std::size_t(j) * K;
+    for (int c = 0; c < K; ++c) key[c] = to_float(rec.key[kh * K + c]) * key_scale;
+    for (int hh = 0; hh < G; ++hh) {
+      beta[std::size_t(hh) * count + j] = rec.write[h0 + hh];
+      alpha[std::size_t(hh) * count + j] = std::exp(rec.decay[h0 + hh]);
+      const input_t* v = rec.vec + std::size_t(h0 + hh) * V;
+      float* dst = vals + (std::size_t(hh) * count + j) * V;
+      for (int r = 0; r < V; ++r) dst[r] = to_float(v[r]);
     }
   }
-  // The checkpoint's part, one pass for all T tokens: acc[t] += S_c·tq_t.
-  float* sc = scratch(3, std::size_t(T) * V);
-  checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), tq, T, sc,
-                    scratch(4, checkpoint_matvec_scratch(T, V, K)));
-  for (std::size_t i = 0; i < std::size_t(T) * V; ++i) acc[i] += sc[i];
+  // The walks: tq [G, T, K] and the ring's part of the outputs, acc [G, T, V].
+  const float qscale = query_scale(a, K);
+  float* tq = scratch(4, std::size_t(G) * T * K);
+  float* acc = scratch(5, std::size_t(G) * T * V);
+  std::fill(acc, acc + std::size_t(G) * T * V, 0.0f);
   for (int t = 0; t < T; ++t) {
-    auto* o = static_cast<input_t*>(a.o) + ((std::int64_t{row.b} * T + t) * d.heads + h) * V;
-    for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(acc[std::size_t(t) * V + r]);
+    float* q_t = tq + std::size_t(t) * K;  // head 0's slot; copied to the other heads
+    normalise(static_cast<const input_t*>(a.q) +
+                  ((std::int64_t{row.b} * T + t) * d.key_heads + kh) * K,
+              K, a.qk_l2norm, qscale, q_t);
+    for (int hh = 1; hh < G; ++hh) std::copy(q_t, q_t + K, tq + (std::size_t(hh) * T + t) * K);
+  }
+  for (int hh = 0; hh < G; ++hh) {
+    for (int t = 0; t < T; ++t) {
+      float* tq_t = tq + (std::size_t(hh) * T + t) * K;
+      float* o_t = acc + (std::size_t(hh) * T + t) * V;
+      for (std::uint32_t j = w + static_cast<std::uint32_t>(t) + 1; j-- > 0;) {
+        const float* key = keys + std::size_t(j) * K;
+        const float coeff = beta[std::size_t(hh) * count + j] * dot(key, tq_t, K);
+        const float* v = vals + (std::size_t(hh) * count + j) * V;
+        for (int r = 0; r < V; ++r) o_t[r] += coeff * v[r];
+        const float al = alpha[std::size_t(hh) * count + j];
+        for (int c = 0; c < K; ++c) tq_t[c] = al * (tq_t[c] - coeff * key[c]);
+      }
+    }
+  }
+  // The checkpoints' part, one pass per head for all T tokens: acc[h][t] += S_c·tq_t.
+  float* sc = scratch(6, std::size_t(T) * V);
+  for (int hh = 0; hh < G; ++hh) {
+    const int h = h0 + hh;
+    checkpoint_matvec(checkpoint_head(l, a.layer, row.slot, h), tq + std::size_t(hh) * T * K, T,
+                      sc, scratch(7, checkpoint_matvec_scratch(T, V, K)));
+    for (int t = 0; t < T; ++t) {
+      const float* acc_t = acc + (std::size_t(hh) * T + t) * V;
+      auto* o = static_cast<input_t*>(a.o) + ((std::int64_t{row.b} * T + t) * d.heads + h) * V;
+      for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(acc_t[r] + sc[std::size_t(t) * V + r]);
+    }
   }
 }
 
@@ -155,10 +197,10 @@ void gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
       [&](auto in_tag) {
         using input_t = typename decltype(in_tag)::type;
         replay_rows(
-            l, args.layer, args.num_tokens, args.slot_ids, args.batch, l.dims.heads,
+            l, args.layer, args.num_tokens, args.slot_ids, args.batch, l.dims.key_heads,
             [&](const ActiveRow& row) { append_window<input_t>(l, args, row); },
             [&](const ActiveRow& row, int unit, bool fold_due) {
-              replay_head<input_t>(l, args, row, unit, fold_due);
+              replay_key_head<input_t>(l, args, row, unit, fold_due);
             });
       });
 }
