@@ -153,12 +153,32 @@ inline void read_output_row(const CheckpointHead& c, int r, float* out) {
   }
 }
 
-/// a·b as one vectorised reduction (omp simd: a vector of partial sums reduced once), for dot
-/// products whose result is needed at once. Many independent rows: use RowDots.
+/// 16 floats as one GCC/Clang vector: one AVX-512 register, two AVX2 ones, four SSE ones,
+/// whatever the build targets, without intrinsics.
+constexpr int kLanes = 16;
+using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store_lanes(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+/// a·b for dot products whose result is needed at once (many independent rows: RowDots).
+/// Two vector accumulators: with one, the FMAs form a single dependent chain (its latency,
+/// not the loads, set the speed of the GDN walks and eager rows).
 inline float dot(const float* a, const float* b, int n) {
+  Lanes acc0 = {}, acc1 = {};
+  int i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc0 += load_lanes(a + i) * load_lanes(b + i);
+    acc1 += load_lanes(a + i + kLanes) * load_lanes(b + i + kLanes);
+  }
+  for (; i + kLanes <= n; i += kLanes) acc0 += load_lanes(a + i) * load_lanes(b + i);
+  const Lanes acc = acc0 + acc1;
   float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int k = 0; k < kLanes; ++k) sum += acc[k];
+  for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
@@ -221,7 +241,7 @@ constexpr int kMatvecPrefetchRows = 16;
 
 /// Floats of the `partials` scratch that checkpoint_matvec needs.
 inline std::size_t checkpoint_matvec_scratch(int T, int rows, int cols) {
-  return std::size_t(T) * RowDots::kLanes * rows + cols + 16;
+  return std::size_t(T) * RowDots::kLanes * rows + cols;
 }
 
 inline void checkpoint_matvec(const CheckpointHead& c, const float* vecs, int T, float* out,
@@ -241,10 +261,7 @@ inline void checkpoint_matvec(const CheckpointHead& c, const float* vecs, int T,
   if (c.lo_fp8 != nullptr) {
     // fp8 rows are widened into a buffer first: inside the dot, the byte-to-float widening
     // only vectorised 4 lanes wide (measured 0.7x of eager; widened apart it runs full width).
-    // 64-byte aligned: a 64-byte load of a misaligned row straddles two cache lines and is
-    // not forwarded from the stores that just wrote it.
-    float* row = reinterpret_cast<float*>(
-        (reinterpret_cast<std::uintptr_t>(partials + T * per_token) + 63) & ~std::uintptr_t{63});
+    float* row = partials + T * per_token;  // 64-byte aligned when `partials` is (scratch())
     for (int r = 0; r < c.rows; ++r) {
       widen_fp8_row(c.lo_fp8 + std::size_t(r) * c.cols, c.cols, row);
       for (int t = 0; t < T; ++t) {
@@ -279,11 +296,17 @@ inline std::vector<ActiveRow> active_rows(const std::int32_t* slot_ids, int batc
 
 /// Per-thread scratch buffers, so the per-(row, head) work allocates nothing in steady state.
 /// Decode work uses buffers 0-7, folds (called from inside decode work) 8-15.
+/// The buffers start on a 64-byte boundary: vector code stores rows into them and reads them
+/// straight back, and a 64-byte access that straddles two cache lines is not forwarded from
+/// the stores that wrote it (it waits for them to reach the cache: that wait was the hottest
+/// spot of the GDN eager step).
 inline float* scratch(int which, std::size_t n) {
+  constexpr std::size_t kAlignFloats = 64 / sizeof(float);
   thread_local std::vector<float> buffers[16];
   std::vector<float>& b = buffers[which];
-  if (b.size() < n) b.resize(n);
-  return b.data();
+  if (b.size() < n + kAlignFloats) b.resize(n + kAlignFloats);
+  const auto addr = reinterpret_cast<std::uintptr_t>(b.data());
+  return b.data() + ((64 - addr % 64) % 64) / sizeof(float);
 }
 
 /// Row r of the copy that folds update: the fp32 master when there is one (shared bf16 mode

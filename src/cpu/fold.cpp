@@ -18,17 +18,6 @@ namespace {
 // 0..kFoldScratch-1 across the fold: the fold takes the ones above.
 constexpr int kFoldScratch = 8;
 
-// 16 floats as one GCC/Clang vector: one AVX-512 register, two AVX2 ones, four SSE ones,
-// whatever the build targets, without intrinsics.
-constexpr int kLanes = 16;
-using Lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
-inline Lanes load_lanes(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store_lanes(float* p, Lanes v) { std::memcpy(p, &v, sizeof v); }
-
 // Prefetches, slice by slice, the checkpoint rows [row, row + count) that the next fold block
 // will read (the master) and write (the low copy), so that their memory traffic overlaps this
 // block's FMAs: without it a fold step cost its memory time plus its FMA time.

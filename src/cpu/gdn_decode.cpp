@@ -33,6 +33,9 @@ float query_scale(const GdnDecodeArgs& a, int head_k_dim) {
   return a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(head_k_dim));
 }
 
+/// Rows per block of the eager update (see eager_decode).
+constexpr int kEagerRows = 8;
+
 template <typename input_t, typename state_t>
 void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
   const StateDims d = l.dims;
@@ -49,26 +52,44 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
       const std::int64_t key_off = (std::int64_t{row.b} * d.key_heads + kh) * K;
       float* q = scratch(0, K);
       float* k = scratch(1, K);
-      float* s = scratch(2, K);
+      float* s = scratch(2, std::size_t(kEagerRows) * K);
+      float* out = scratch(3, V);
+      RowDots dots(V, scratch(4, std::size_t(RowDots::kLanes) * V));
       normalise(static_cast<const input_t*>(a.q) + key_off, K, a.qk_l2norm, qscale, q);
       normalise(static_cast<const input_t*>(a.k) + key_off, K, a.qk_l2norm, 1.0f, k);
       const std::int64_t bh = std::int64_t{row.b} * d.heads + h;
       const float alpha = std::exp(a.g[bh]);
       const float beta = a.beta[bh];
       const auto* v = static_cast<const input_t*>(a.v) + bh * V;
-      auto* o = static_cast<input_t*>(a.o) + bh * V;
       state_t* S = static_cast<state_t*>(l.state) +
                    l.layer_slot(a.layer, row.slot) * l.state_elems() + std::int64_t{h} * V * K;
-      for (int r = 0; r < V; ++r) {
-        state_t* s_row = S + std::int64_t{r} * K;
-        for (int c = 0; c < K; ++c) s[c] = alpha * to_float(s_row[c]);
-        const float delta = beta * (to_float(v[r]) - dot(s, k, K));
-        for (int c = 0; c < K; ++c) {
-          s[c] += delta * k[c];
-          s_row[c] = from_float<state_t>(s[c]);
+      // kEagerRows rows at a time, in two passes: the decayed rows and their s·k̂ first, then
+      // the updates. Each row's update waits for its finished dot product; row by row that
+      // wait (a horizontal reduction) was on the critical path of every row and held the
+      // step to about half the machine's update bandwidth on the 2-core EPYC.
+      for (int r0 = 0; r0 < V; r0 += kEagerRows) {
+        const int n = std::min(kEagerRows, V - r0);
+        float sk[kEagerRows];
+        for (int r = 0; r < n; ++r) {
+          const state_t* s_row = S + std::int64_t{r0 + r} * K;
+          float* s_r = s + std::size_t(r) * K;
+          for (int c = 0; c < K; ++c) s_r[c] = alpha * to_float(s_row[c]);
+          sk[r] = dot(s_r, k, K);
         }
-        o[r] = from_float<input_t>(dot(s, q, K));
+        for (int r = 0; r < n; ++r) {
+          state_t* s_row = S + std::int64_t{r0 + r} * K;
+          float* s_r = s + std::size_t(r) * K;
+          const float delta = beta * (to_float(v[r0 + r]) - sk[r]);
+          for (int c = 0; c < K; ++c) {
+            s_r[c] += delta * k[c];
+            s_row[c] = from_float<state_t>(s_r[c]);
+          }
+          dots.set(r0 + r, s_r, q, K);
+        }
       }
+      dots.reduce(out);
+      auto* o = static_cast<input_t*>(a.o) + bh * V;
+      for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(out[r]);
     }
   }
   for (const ActiveRow& row : rows) l.pending[row.slot] = 1;
