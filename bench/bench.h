@@ -107,6 +107,10 @@ struct BenchReport {
   /// memcpy pays a read for ownership of its destination, this is the machine's real ceiling
   /// for a state update.
   double update_gbps = 0.0;
+  /// CPU only: streaming-read bandwidth, bytes read / s / 1e9. Beside update_gbps it says what
+  /// halving a step's bytes can buy: where a read of N bytes costs nearly an update's 2N,
+  /// replay with an fp32 checkpoint gains little over eager (docs/BENCHMARKS.md, CPU).
+  double read_gbps = 0.0;
   std::vector<BenchResult> results;
   std::vector<SpecBenchResult> spec;  ///< the speculative comparison, when one was run
   /// What pct_of_copy is measured against: the larger of the two bandwidths.

@@ -110,7 +110,11 @@ void bench_print(const BenchReport& report, std::FILE* out) {
   if (report.update_gbps > 0.0) {
     std::fprintf(out, ", in-place update %.1f GB/s", report.update_gbps);
   }
-  std::fprintf(out, " (read + write bytes; %%copy is against %.1f GB/s)\n", report.peak_gbps());
+  std::fprintf(out, " (read + write bytes; %%copy is against %.1f GB/s)", report.peak_gbps());
+  if (report.read_gbps > 0.0) {
+    std::fprintf(out, "; streaming read %.1f GB/s (bytes read)", report.read_gbps);
+  }
+  std::fprintf(out, "\n");
   if (!report.results.empty()) protocol_print(report, out);
   if (!report.spec.empty()) spec_print(report, out);
 }
@@ -156,6 +160,7 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
   json doc = {{"device", report.device},
                     {"copy_gbps", report.copy_gbps},
                     {"update_gbps", report.update_gbps},
+                    {"read_gbps", report.read_gbps},
                     {"peak_gbps", report.peak_gbps()},
                     {"input_dtype", dtype_name(options.input_dtype)},
                     {"eager_state_dtype", dtype_name(options.eager_state_dtype)},

@@ -54,8 +54,9 @@ std::int64_t last_level_cache_bytes() {
 // plus bytes written, per second), best of 5 over 256 MiB: `memcpy_gbps` for a memcpy split
 // across threads, `update_gbps` for an in-place update a[i] = a[i]·c + 1 (the access pattern of
 // an eager state update). On some machines (VMs in particular) memcpy's stores cost an extra
-// read for ownership and it reaches well below what an in-place update does.
-void measure_bandwidth(double* memcpy_gbps, double* update_gbps) {
+// read for ownership and it reaches well below what an in-place update does. `read_gbps`:
+// a streaming sum, bytes read per second (the access pattern of a replay step's mat-vec).
+void measure_bandwidth(double* memcpy_gbps, double* update_gbps, double* read_gbps) {
   constexpr std::size_t kBytes = std::size_t{256} << 20;
   constexpr std::size_t kChunk = std::size_t{1} << 20;
   constexpr std::int64_t kChunks = kBytes / kChunk;
@@ -68,27 +69,44 @@ void measure_bandwidth(double* memcpy_gbps, double* update_gbps) {
     std::memset(src.get() + c * kChunk, 0, kChunk);
     std::memset(dst.get() + c * kChunk, 0, kChunk);
   }
-  const auto best_of_5 = [](auto&& loop) {
+  const auto best_of_5 = [](double bytes, auto&& loop) {
     double best = 0.0;
     for (int rep = 0; rep < 5; ++rep) {
       const auto start = Clock::now();
       loop();
       const double s = std::chrono::duration<double>(Clock::now() - start).count();
-      best = std::max(best, 2.0 * double(kBytes) / s / 1e9);
+      best = std::max(best, bytes / s / 1e9);
     }
     return best;
   };
-  *memcpy_gbps = best_of_5([&] {
+  *memcpy_gbps = best_of_5(2.0 * double(kBytes), [&] {
 #pragma omp parallel for schedule(static)
     for (std::int64_t c = 0; c < kChunks; ++c) {
       std::memcpy(dst.get() + c * kChunk, src.get() + c * kChunk, kChunk);
     }
   });
   float* a = reinterpret_cast<float*>(src.get());
-  *update_gbps = best_of_5([&] {
+  *update_gbps = best_of_5(2.0 * double(kBytes), [&] {
 #pragma omp parallel for schedule(static)
     for (std::int64_t i = 0; i < kFloats; ++i) a[i] = a[i] * 0.5f + 1.0f;  // stays finite
   });
+  volatile float sink = 0.0f;  // keeps the sum, so the reads are not optimised away
+  *read_gbps = best_of_5(double(kBytes), [&] {
+    constexpr int kParts = 32;  // independent sums: one sum's add latency would bound the loop
+    constexpr std::int64_t kChunkFloats = kChunk / sizeof(float);
+    float sum = 0.0f;
+#pragma omp parallel for schedule(static) reduction(+ : sum)
+    for (std::int64_t c = 0; c < kChunks; ++c) {
+      float part[kParts] = {};
+      const float* chunk = a + c * kChunkFloats;
+      for (std::int64_t i = 0; i < kChunkFloats; i += kParts) {
+        for (int k = 0; k < kParts; ++k) part[k] += chunk[i + k];
+      }
+      for (int k = 0; k < kParts; ++k) sum += part[k];
+    }
+    sink = sum;
+  });
+  (void)sink;
 }
 
 // One step's inputs for the whole batch, in the cache's dtypes ([batch, 1, ...] windows are
@@ -357,7 +375,7 @@ Status run_cpu_bench(const BenchOptions& options, BenchReport* report) {
   BenchReport out;
   out.device = "cpu (" + std::to_string(omp_get_max_threads()) + " threads)";
   if (options.progress) options.progress(0.0, "memory bandwidth");
-  measure_bandwidth(&out.copy_gbps, &out.update_gbps);
+  measure_bandwidth(&out.copy_gbps, &out.update_gbps, &out.read_gbps);
 
   const std::size_t total = options.shapes.size() * options.batches.size();
   std::size_t done = 0;
