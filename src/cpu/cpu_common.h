@@ -368,6 +368,27 @@ RingRecord<input_t> ring_record(const StateCacheLayout& l, int layer, int slot,
           l.ring_write + rec * l.dims.heads, l.ring_decay + rec * l.dims.heads};
 }
 
+/// Requests the ring records [first, first + count) of (layer, slot) that the heads
+/// [head_begin, head_begin + heads) of key head (or group) `key_head` read: the key row, its
+/// factor (GDN), and the heads' input rows, write factors and log-decays. Within a record those
+/// heads sit side by side, so each is one contiguous run; no hardware prefetcher follows runs
+/// a record apart, and read where used, each was a cache miss on the step's critical path.
+template <typename input_t>
+[[gnu::always_inline]] inline void prefetch_ring_records(const StateCacheLayout& l, int layer,
+                                                          int slot, std::uint32_t first,
+                                                          std::uint32_t count, int key_head,
+                                                          int head_begin, int heads) {
+  for (std::uint32_t j = 0; j < count; ++j) {
+    const RingRecord<input_t> rec = ring_record<input_t>(l, layer, slot, first + j);
+    prefetch_bytes(rec.key + std::size_t(key_head) * l.dims.cols, sizeof(input_t) * l.dims.cols);
+    if (rec.key_scale != nullptr) prefetch_bytes(rec.key_scale + key_head, sizeof(float));
+    prefetch_bytes(rec.vec + std::size_t(head_begin) * l.dims.rows,
+                   sizeof(input_t) * std::size_t(heads) * l.dims.rows);
+    prefetch_bytes(rec.write + head_begin, sizeof(float) * heads);
+    prefetch_bytes(rec.decay + head_begin, sizeof(float) * heads);
+  }
+}
+
 /// Committed tokens of (layer, slot) not yet folded into its checkpoint.
 inline std::uint32_t unfolded(const StateCacheLayout& l, int layer, int slot) {
   return l.committed[slot] - l.folded[l.layer_slot(layer, slot)];

@@ -18,48 +18,31 @@ namespace {
 // 0..kFoldScratch-1 across the fold: the fold takes the ones above.
 constexpr int kFoldScratch = 8;
 
-// Prefetches, slice by slice, the checkpoint rows [row, row + count) that the next fold block
-// will read (the master) and write (the low copy), so that their memory traffic overlaps this
+// Requests, slice by slice, the rows [row, row + count) that the next fold block reads (the
+// master, or the low copy in the shared bf16 mode), so that their memory traffic overlaps this
 // block's FMAs: without it a fold step cost its memory time plus its FMA time.
 class NextRowsPrefetch {
  public:
   NextRowsPrefetch(const CheckpointHead& c, int row, int count) {
-    const std::size_t elems = std::size_t(count) * c.cols, first = std::size_t(row) * c.cols;
-    if (c.hi != nullptr) add(c.hi + first, elems * sizeof(float), /*write=*/false);
-    const bool lo_is_master = c.hi == nullptr;
-    if (c.lo_bf16 != nullptr && lo_is_master) add(c.lo_bf16 + first, elems * sizeof(bf16_t), false);
-    if (c.lo_fp8 != nullptr && lo_is_master) add(c.lo_fp8 + first, elems, false);
-  }
-  /// Issues slice i of n (every cache line of the ranges once over i = 0..n-1).
-  // always_inline: out of line, GCC finds this function free of side effects (a prefetch has
-  // none it models) and deletes the call.
-  [[gnu::always_inline]] void slice(int i, int n) const {
-    for (int k = 0; k < count_; ++k) {
-      const Range& r = ranges_[k];
-      const std::size_t lines = (r.bytes + kLine - 1) / kLine;
-      const std::size_t end = lines * (i + 1) / n;
-      for (std::size_t line = lines * i / n; line < end; ++line) {
-        if (r.write) {
-          __builtin_prefetch(r.base + line * kLine, 1, 3);
-        } else {
-          __builtin_prefetch(r.base + line * kLine, 0, 3);
-        }
-      }
+    const std::size_t first = std::size_t(row) * c.cols, elems = std::size_t(count) * c.cols;
+    if (c.hi != nullptr) {
+      base_ = reinterpret_cast<const char*>(c.hi + first);
+      bytes_ = elems * sizeof(float);
+    } else if (c.lo_bf16 != nullptr) {
+      base_ = reinterpret_cast<const char*>(c.lo_bf16 + first);
+      bytes_ = elems * sizeof(bf16_t);
     }
+  }
+  /// Slice i of n: over i = 0 .. n-1, every cache line once. always_inline, as prefetch_bytes.
+  [[gnu::always_inline]] void slice(int i, int n) const {
+    const std::size_t lines = (bytes_ + 63) / 64;
+    const std::size_t begin = lines * i / n, end = lines * (i + 1) / n;
+    prefetch_bytes(base_ + begin * 64, (end - begin) * 64);
   }
 
  private:
-  static constexpr std::size_t kLine = 64;
-  struct Range {
-    const char* base;
-    std::size_t bytes;
-    bool write;
-  };
-  void add(const void* base, std::size_t bytes, bool write) {
-    if (bytes > 0) ranges_[count_++] = {static_cast<const char*>(base), bytes, write};
-  }
-  Range ranges_[2] = {};
-  int count_ = 0;
+  const char* base_ = nullptr;
+  std::size_t bytes_ = 0;
 };
 
 // Rows of a Mamba-2 head folded together: the rank-`count` update is a small matrix product

@@ -118,23 +118,6 @@ void append_window(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRow&
   }
 }
 
-// Requests the ring records [first, first + count) of key head kh: its key, key factor, and
-// its value heads' v rows, β and log-decays (contiguous runs within a record).
-template <typename input_t>
-[[gnu::always_inline]] inline void prefetch_key_head_records(const StateCacheLayout& l, int layer,
-                                                              int slot, int kh, std::uint32_t first,
-                                                              std::uint32_t count) {
-  const int G = l.dims.heads_per_key(), K = l.dims.cols, V = l.dims.rows, h0 = kh * G;
-  for (std::uint32_t j = 0; j < count; ++j) {
-    const RingRecord<input_t> rec = ring_record<input_t>(l, layer, slot, first + j);
-    prefetch_bytes(rec.key + std::size_t(kh) * K, sizeof(input_t) * K);
-    prefetch_bytes(rec.vec + std::size_t(h0) * V, sizeof(input_t) * G * V);
-    prefetch_bytes(rec.key_scale + kh, sizeof(float));
-    prefetch_bytes(rec.write + h0, sizeof(float) * G);
-    prefetch_bytes(rec.decay + h0, sizeof(float) * G);
-  }
-}
-
 // The value heads of one key head of one row (they share q and k): fold if due, then for
 // each value head h and window token t the adjoint walk
 //   tq ← q̂_t;  for j = w+t … 0:  c = β_j·(k̂_j·tq);  o += c·v_j;  tq ← α_j·(tq − c·k̂_j)
@@ -156,7 +139,7 @@ void replay_key_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRo
   // The first key head of a row requests its own records; every key head requests the next
   // one's (same slot, same cursors) before its mat-vecs, so they arrive during that stream.
   const std::uint32_t ring_first = first, ring_span = w + static_cast<std::uint32_t>(T);
-  if (kh == 0) prefetch_key_head_records<input_t>(l, a.layer, row.slot, kh, ring_first, ring_span);
+  if (kh == 0) prefetch_ring_records<input_t>(l, a.layer, row.slot, ring_first, ring_span, kh, h0, G);
   if (fold_due) {
     fold_heads(l, a.layer, row.slot, h0, h0 + G, first, w);
     first += w;
@@ -208,7 +191,8 @@ void replay_key_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRo
     }
   }
   if (kh + 1 < d.key_heads) {
-    prefetch_key_head_records<input_t>(l, a.layer, row.slot, kh + 1, ring_first, ring_span);
+    prefetch_ring_records<input_t>(l, a.layer, row.slot, ring_first, ring_span, kh + 1, h0 + G,
+                                   G);
   }
   // The checkpoints' part, one pass per head for all T tokens: acc[h][t] += S_c·tq_t.
   float* sc = scratch(6, std::size_t(T) * V);
