@@ -73,6 +73,10 @@ struct BenchResult {
   double gbps = 0.0;         ///< model_bytes / time
   double pct_of_copy = 0.0;  ///< 100 · gbps / BenchReport::peak_gbps()
   double speedup = 1.0;      ///< eager time / this time, same shape and batch, same run
+  /// CPU replay with aligned flushes (0 elsewhere): medians of the step that folds and of the
+  /// other steps of a cycle (their median), µs; us_per_step is their average over the cycle.
+  double us_fold_step = 0.0;
+  double us_plain_step = 0.0;
 };
 
 /// One shape × batch × checkpoint of the speculative comparison (`bench --spec-tokens T`;

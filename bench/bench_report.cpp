@@ -49,6 +49,15 @@ void protocol_print(const BenchReport& report, std::FILE* out) {
                  flush_pattern_name(r.flush), r.us_per_step, r.model_bytes / 1e6, r.gbps,
                  r.pct_of_copy, r.speedup);
   }
+  bool split = false;
+  for (const BenchResult& r : report.results) split = split || r.us_fold_step > 0.0;
+  if (!split) return;
+  std::fprintf(out, "replay steps apart (aligned flushes): us of the fold step / of a plain step\n");
+  for (const BenchResult& r : report.results) {
+    if (r.us_fold_step <= 0.0) continue;
+    std::fprintf(out, "%-12s %6d %-18s %11.1f / %.1f\n", r.shape.c_str(), r.batch,
+                 mode_label(r).c_str(), r.us_fold_step, r.us_plain_step);
+  }
 }
 
 // The speculative comparison: eager spec against replay verify, per shape × batch × checkpoint.
@@ -135,6 +144,8 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                      {"slot_groups", r.slot_groups},
                      {"us_per_step_median", r.us_per_step},
                      {"us_per_step_min", r.us_min},
+                     {"us_fold_step", r.us_fold_step},
+                     {"us_plain_step", r.us_plain_step},
                      {"model_bytes_per_step", r.model_bytes},
                      {"model_gbps", r.gbps},
                      {"pct_of_copy_bandwidth", r.pct_of_copy},

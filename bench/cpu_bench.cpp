@@ -173,11 +173,18 @@ class CaseRunner {
     return Status::ok();
   }
 
-  // One fold cycle: L steps of every slot group, groups interleaved step by step.
-  Status cycle(int* input_set) {
+  // One fold cycle: L steps of every slot group, groups interleaved step by step. `step_us`,
+  // when given, receives each step's time over all groups, µs per group.
+  Status cycle(int* input_set, std::vector<double>* step_us = nullptr) {
+    if (step_us != nullptr) step_us->assign(std::size_t(options_.buffer_len), 0.0);
     for (int s = 0; s < options_.buffer_len; ++s) {
+      const auto start = Clock::now();
       for (const auto& group : group_slots_) {
         REPLAYSSM_RETURN_IF_ERROR(step(group, *input_set));
+      }
+      if (step_us != nullptr) {
+        (*step_us)[std::size_t(s)] = std::chrono::duration<double>(Clock::now() - start).count() *
+                                     1e6 / double(group_slots_.size());
       }
       *input_set = (*input_set + 1) % kInputSets;
     }
@@ -302,6 +309,7 @@ Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& 
     std::unique_ptr<CaseRunner> runner;
     int input_set = 0;
     std::vector<double> us;
+    std::vector<std::vector<double>> step_us;  // [step of the cycle][repetition]
   };
   std::vector<Case> cases(1 + options.checkpoints.size());
   cases[0].mode = DecodeMode::kEager;
@@ -321,12 +329,15 @@ Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& 
     }
   }
   const double steps_per_cycle = double(groups) * options.buffer_len;
+  std::vector<double> step_us;
   for (int rep = 0; rep < options.repetitions; ++rep) {
     for (Case& c : cases) {
       const auto start = Clock::now();
-      REPLAYSSM_RETURN_IF_ERROR(c.runner->cycle(&c.input_set));
+      REPLAYSSM_RETURN_IF_ERROR(c.runner->cycle(&c.input_set, &step_us));
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       c.us.push_back(seconds * 1e6 / steps_per_cycle);
+      c.step_us.resize(step_us.size());
+      for (std::size_t s = 0; s < step_us.size(); ++s) c.step_us[s].push_back(step_us[s]);
     }
   }
   for (const Case& c : cases) {
@@ -340,6 +351,16 @@ Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& 
     r.slot_groups = groups;
     r.us_per_step = median(c.us);
     r.us_min = *std::min_element(c.us.begin(), c.us.end());
+    if (c.mode == DecodeMode::kReplay && options.flush == FlushPattern::kAligned &&
+        c.step_us.size() > 1) {
+      // With aligned flushes every row folds on the same step of the cycle: the slowest one.
+      std::vector<double> medians;
+      for (const std::vector<double>& s : c.step_us) medians.push_back(median(s));
+      const auto fold = std::max_element(medians.begin(), medians.end());
+      r.us_fold_step = *fold;
+      medians.erase(fold);
+      r.us_plain_step = median(medians);
+    }
     results->push_back(r);
   }
   return Status::ok();
