@@ -433,8 +433,9 @@ void dispatch_decode(const StateCacheLayout& l, Eager&& eager, Replay&& replay) 
   });
 }
 
-/// The fold of heads [head_begin, head_end) (Mamba-2: of one key group): replays `count` ring
-/// records from position `first` into their checkpoints of (layer, slot). fold.cpp.
+/// The fold of heads [head_begin, head_end), which share one key head (Mamba-2: one group):
+/// replays `count` ring records from position `first` into their checkpoints of (layer, slot).
+/// fold.cpp.
 void fold_heads(const StateCacheLayout& l, int layer, int slot, int head_begin, int head_end,
                 std::uint32_t first, std::uint32_t count);
 /// fold_heads for one head.

@@ -221,35 +221,41 @@ void fold_rows_gdn(const CheckpointHead& c, int v0, float* in, const float* keys
   for (int r = 0; r < R; ++r) write_row(c, v0 + r, in + std::size_t(r) * cols);
 }
 
+// Heads [head_begin, head_end) of one key head: its k̂ are converted once for all of them.
 template <typename input_t>
-void fold_head_gdn(const StateCacheLayout& l, int layer, int slot, int head,
-                   std::uint32_t first, std::uint32_t count) {
+void fold_heads_gdn(const StateCacheLayout& l, int layer, int slot, int head_begin,
+                    int head_end, std::uint32_t first, std::uint32_t count) {
   const int rows = l.dims.rows, cols = l.dims.cols;
-  const int key_head = head / l.dims.heads_per_key();
-  // The records as fp32, read once: k̂ [count, cols], α, β [count], v [count, rows].
+  const int key_head = head_begin / l.dims.heads_per_key();
+  // The records as fp32, read once: k̂ [count, cols]; per head α, β [count], v [count, rows].
   float* keys = scratch(kFoldScratch + 0, std::size_t(count) * cols);
-  float* alpha = scratch(kFoldScratch + 1, count);
-  float* beta = scratch(kFoldScratch + 2, count);
-  float* values = scratch(kFoldScratch + 3, std::size_t(count) * rows);
   for (std::uint32_t j = 0; j < count; ++j) {
     const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
     const float key_scale = r.key_scale[key_head];
     for (int k = 0; k < cols; ++k) {
       keys[std::size_t(j) * cols + k] = to_float(r.key[key_head * cols + k]) * key_scale;
     }
-    alpha[j] = std::exp(r.decay[head]);
-    beta[j] = r.write[head];
-    for (int v = 0; v < rows; ++v) {
-      values[std::size_t(j) * rows + v] = to_float(r.vec[head * rows + v]);
-    }
   }
-  const CheckpointHead c = checkpoint_head(l, layer, slot, head);
+  float* alpha = scratch(kFoldScratch + 1, count);
+  float* beta = scratch(kFoldScratch + 2, count);
+  float* values = scratch(kFoldScratch + 3, std::size_t(count) * rows);
   float* in = scratch(kFoldScratch + 4, std::size_t(kFoldRows) * cols);
-  int v = 0;
-  for (; v + kFoldRows <= rows; v += kFoldRows) {
-    fold_rows_gdn<kFoldRows>(c, v, in, keys, alpha, beta, values, count);
+  for (int head = head_begin; head < head_end; ++head) {
+    for (std::uint32_t j = 0; j < count; ++j) {
+      const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
+      alpha[j] = std::exp(r.decay[head]);
+      beta[j] = r.write[head];
+      for (int v = 0; v < rows; ++v) {
+        values[std::size_t(j) * rows + v] = to_float(r.vec[head * rows + v]);
+      }
+    }
+    const CheckpointHead c = checkpoint_head(l, layer, slot, head);
+    int v = 0;
+    for (; v + kFoldRows <= rows; v += kFoldRows) {
+      fold_rows_gdn<kFoldRows>(c, v, in, keys, alpha, beta, values, count);
+    }
+    for (; v < rows; ++v) fold_rows_gdn<1>(c, v, in, keys, alpha, beta, values, count);
   }
-  for (; v < rows; ++v) fold_rows_gdn<1>(c, v, in, keys, alpha, beta, values, count);
 }
 
 }  // namespace
@@ -262,9 +268,7 @@ void fold_heads(const StateCacheLayout& l, int layer, int slot, int head_begin, 
     if (l.config.kind == LayerKind::kMamba2) {
       fold_heads_mamba2<input_t>(l, layer, slot, head_begin, head_end, first, count);
     } else {
-      for (int h = head_begin; h < head_end; ++h) {
-        fold_head_gdn<input_t>(l, layer, slot, h, first, count);
-      }
+      fold_heads_gdn<input_t>(l, layer, slot, head_begin, head_end, first, count);
     }
   });
 }
