@@ -153,8 +153,8 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // Strong decays (α = e^-8 per token): a fold's decay product underflows within one cycle of
-// L = 16, which the fold must absorb (the CPU fold carries its rows as Γ·ŝ and rescales them)
-// instead of turning 1/Γ into inf.
+// L = 16, which the fold must absorb: no 1/Γ may turn into inf (the CPU fold's chunk form
+// uses only decays e^{λ_j−λ_i} ≤ 1; an earlier form carried rows as Γ·ŝ and had to rescale).
 TEST(GdnReplayStrongDecay, MatchesOracle) {
   RunSpec spec = gdn_spec(kSmall, DecodeMode::kReplay, DType::kF32);
   spec.cache.buffer_len = 16;

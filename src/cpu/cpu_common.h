@@ -394,10 +394,12 @@ inline std::uint32_t unfolded(const StateCacheLayout& l, int layer, int slot) {
   return l.committed[slot] - l.folded[l.layer_slot(layer, slot)];
 }
 
-/// The skeleton of every replay decode: decide each row's fold (committed - folded >= L) and
-/// append its window (`append(row)`, serial: a copy per row), run `work(row, unit, fold_due)`
-/// over rows × `units` in parallel (a unit being a head or a key group), then move the layer's
-/// cursors: folded for rows that folded, pending = T for every row.
+/// The skeleton of every replay decode: decide each row's fold (committed - folded >= L),
+/// append each row's window (`append(row)`, a copy into its own ring records), run
+/// `work(row, unit, fold_due)` over rows × `units` (a unit being a head or a key group), then
+/// move the layer's cursors: folded for rows that folded, pending = T for every row. The
+/// appends and the work share one parallel region (the appends were serial: ~6% of a plain
+/// GDN step at batch 64 with one core idle).
 template <typename Append, typename Work>
 void replay_rows(StateCacheLayout& l, int layer, int num_tokens, const std::int32_t* slot_ids,
                  int batch, int units, Append&& append, Work&& work) {
@@ -405,13 +407,16 @@ void replay_rows(StateCacheLayout& l, int layer, int num_tokens, const std::int3
   const int num_rows = static_cast<int>(rows.size());
   const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
   std::vector<char> fold_due(rows.size());
-  for (int i = 0; i < num_rows; ++i) {
-    fold_due[i] = unfolded(l, layer, rows[i].slot) >= L;
-    append(rows[i]);
-  }
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int i = 0; i < num_rows; ++i) {
-    for (int u = 0; u < units; ++u) work(rows[std::size_t(i)], u, fold_due[i] != 0);
+  for (int i = 0; i < num_rows; ++i) fold_due[i] = unfolded(l, layer, rows[i].slot) >= L;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int i = 0; i < num_rows; ++i) append(rows[std::size_t(i)]);
+    // (the implicit barrier: every window is in its ring before any row's work reads it)
+#pragma omp for collapse(2) schedule(static)
+    for (int i = 0; i < num_rows; ++i) {
+      for (int u = 0; u < units; ++u) work(rows[std::size_t(i)], u, fold_due[i] != 0);
+    }
   }
   for (int i = 0; i < num_rows; ++i) {
     const int slot = rows[i].slot;

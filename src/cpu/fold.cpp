@@ -143,91 +143,147 @@ void fold_heads_mamba2(const StateCacheLayout& l, int layer, int slot, int head_
   }
 }
 
-// GDN: the delta rule token by token, each value row on its own:
-//   s ← α·s;  d = β·(v − s·k̂);  s ← s + d·k̂.
-// Rows are folded kFoldRows at a time, token by token across the block: a row's tokens form a
-// dependent chain (each d needs the finished s·k̂), and one row at a time that chain's
-// reduction latency set the fold's speed (a fold step cost ~3x an eager step on the 2-core
-// EPYC); R independent rows keep the pipelines full. s·k̂ keeps 16 partial sums, added up
-// once per row and token. The block is carried as s = Γ·ŝ, Γ the product of the decays so
-// far, so a token costs two passes over a row (ŝ·k̂, then ŝ += (d/Γ)·k̂) instead of three
-// (s ← α·s first); Γ is multiplied back into ŝ before 1/Γ could overflow, and at the end.
-// Measured and not kept: the Gram form (each row's d_j from its dot products with the keys and
-// a count×count scalar recurrence whose coefficients e^{Λ_j−Λ_i}·k̂_i·k̂_j all rows share, then
-// Mamba-2's rank-count update): same fold-step time on the 2-core EPYC (qwen35-4b, batch 64:
-// ~38-40 ms either way), so the fold step is not bound by these passes' dependent chains.
-constexpr float kGdnFoldRescaleBelow = 1e-12f;
+// GDN, in chunks of up to kLanes records: the delta rule s ← α·s;  d = β·(v − s·k̂);  s ← s + d·k̂
+// unrolled over a chunk. With λ_j the prefix sums of the chunk's log-decays, Γ_j = e^{λ_j} and
+// a_j = s_0·k̂_j, every value row s of a head obeys
+//   d_j = β_j·(v_j − Γ_j·a_j − Σ_{i<j} e^{λ_j−λ_i}·(k̂_i·k̂_j)·d_i)   →   d = T·(v − Γ∘a),
+//   T = (I + N)^{-1}·diag(β),  N_ji = β_j·e^{λ_j−λ_i}·(k̂_i·k̂_j) for i < j,
+//   s_end = Γ_last·s_0 + Σ_j d'_j·k̂_j,  d' = diag(e^{λ_last−λ_j})·d = T'·v − W·s_0,
+// with T' = diag(e^{λ_last−λ_j})·T and W = T'·diag(Γ)·K̂ the same for all the head's rows.
+// So a row's fold is two small matrix products with the chunk's tokens in the vector lanes,
+// d' = Σ_i v_i·T'[:, i] − Σ_c s_0[c]·W[:, c] and then the rank-m update: FMA streams with no
+// horizontal sum and no dependent chain, ~2·m FMAs per element, the minimum. Token by token
+// (s·k̂ reduced per row and token, then an update pass over the rows) the fold step took
+// ~1.7x longer on the 2-core EPYC, and so did an earlier Gram form that kept the dots and the
+// m×m recurrence per row; solving the recurrence once per head, into T' and W, is the change
+// that counts (docs/BENCHMARKS.md). Every exponent is ≤ 0: no overflow, no rescaling.
+constexpr int kChunk = kLanes;
 
+// One value head's chunk [first, first + size) of the records being folded, prepared.
+struct GdnChunk {
+  int first = 0, size = 0;
+  float gamma_last = 1.0f;  // Γ at the chunk's last token
+  const float* w_cols = nullptr;  // [cols][kChunk]: W[:, c], zero past `size`
+  const float* t_cols = nullptr;  // [kChunk][kChunk]: T'[:, i]
+};
+
+// k̂_i·k̂_j of a chunk's keys ([size, cols], row stride cols), i < j, into gram[i][j]: the
+// part of N that a key head's value heads share.
+void gdn_chunk_gram(const float* keys, int size, int cols, float* gram /* [kChunk][kChunk] */) {
+  for (int i = 0; i < size; ++i) {
+    for (int j = i + 1; j < size; ++j) {
+      gram[i * kChunk + j] = dot(keys + std::size_t(i) * cols, keys + std::size_t(j) * cols, cols);
+    }
+  }
+}
+
+// T', W and Γ_last of one value head's chunk, from its log-decays and β ([size] each) and
+// its keys' Gram matrix. Writes kChunk·(cols + kChunk) floats at `out`.
+GdnChunk prepare_gdn_chunk(int first, int size, int cols, const float* keys,
+                           const float* gram, const float* log_decay, const float* beta,
+                           float* out) {
+  // decay[j][i] = e^{λ_j−λ_i} (i ≤ j) as running products of the α's: ≤ 1, and an underflow
+  // to 0 is the right limit.
+  float decay[kChunk][kChunk];
+  float gamma[kChunk];
+  float lambda = 0.0f;
+  for (int j = 0; j < size; ++j) {
+    const float alpha = std::exp(log_decay[j]);
+    lambda += log_decay[j];
+    gamma[j] = std::exp(lambda);
+    decay[j][j] = 1.0f;
+    for (int i = 0; i < j; ++i) decay[j][i] = decay[j - 1][i] * alpha;
+  }
+  // T by forward substitution, one column at a time: (I + N)·x = β_i·e_i.
+  float t[kChunk][kChunk] = {};  // t[j][i] = T'[j][i]
+  for (int i = 0; i < size; ++i) {
+    t[i][i] = beta[i];
+    for (int j = i + 1; j < size; ++j) {
+      float sum = 0.0f;
+      for (int l = i; l < j; ++l) sum += decay[j][l] * gram[l * kChunk + j] * t[l][i];
+      t[j][i] = -beta[j] * sum;
+    }
+  }
+  for (int j = 0; j < size; ++j) {
+    for (int i = 0; i <= j; ++i) t[j][i] *= decay[size - 1][j];
+  }
+  float* w_cols = out;
+  float* t_cols = out + std::size_t(cols) * kChunk;
+  // T'[:, i]·Γ_i, then W[:, c] = Σ_i K̂[i][c]·T'[:, i]·Γ_i.
+  Lanes tg[kChunk];
+  for (int i = 0; i < kChunk; ++i) {
+    Lanes col{};
+    for (int j = 0; j < size; ++j) col[j] = t[j][i];
+    store_lanes(t_cols + i * kChunk, col);
+    tg[i] = i < size ? col * gamma[i] : Lanes{};
+  }
+  for (int c = 0; c < cols; ++c) {
+    Lanes w{};
+    for (int i = 0; i < size; ++i) w += keys[std::size_t(i) * cols + c] * tg[i];
+    store_lanes(w_cols + std::size_t(c) * kChunk, w);
+  }
+  return {first, size, gamma[size - 1], w_cols, t_cols};
+}
+
+// Folds rows [v0, v0 + R) of a head through its prepared chunks. The R rows stay in `in`
+// (fp32) across the chunks; per chunk, d' of the R rows (R accumulators, one vector of W
+// loaded per column feeds R FMAs), then the update, a column block at a time.
 template <int R>
 void fold_rows_gdn(const CheckpointHead& c, int v0, float* in, const float* keys,
-                   const float* alpha, const float* beta, const float* values /* [count, rows] */,
-                   std::uint32_t count) {
+                   const float* values /* [count, rows] */, const GdnChunk* chunks,
+                   int num_chunks) {
   const int cols = c.cols;
   for (int r = 0; r < R; ++r) read_master_row(c, v0 + r, in + std::size_t(r) * cols);
   const NextRowsPrefetch prefetch(c, v0 + R, v0 + 2 * R <= c.rows ? R : 0);
-  const int blocks = cols / kLanes;
-  float gamma = 1.0f;  // the same for every row of a head
-  auto rescale = [&] {
-    for (int r = 0; r < R; ++r) {
-      float* s = in + std::size_t(r) * cols;
-      for (int n = 0; n < cols; ++n) s[n] *= gamma;
+  const int slices = (cols + kLanes - 1) / kLanes;
+  for (int ch = 0; ch < num_chunks; ++ch) {
+    const GdnChunk& k = chunks[ch];
+    Lanes d[R];
+    for (int r = 0; r < R; ++r) d[r] = Lanes{};
+    for (int i = 0; i < k.size; ++i) {
+      const Lanes t_col = load_lanes(k.t_cols + i * kChunk);
+      const float* v = values + std::size_t(k.first + i) * c.rows + v0;
+      for (int r = 0; r < R; ++r) d[r] += v[r] * t_col;
     }
-    gamma = 1.0f;
-  };
-  for (std::uint32_t j = 0; j < count; ++j) {
-    if (int(j) < blocks) prefetch.slice(int(j), std::min<int>(blocks, int(count)));
-    const float* key = keys + std::size_t(j) * cols;
-    gamma *= alpha[j];
-    const float inv_gamma = 1.0f / gamma;
-    // s·k̂ of the R rows: 16 partial sums per row, the rows interleaved (R independent FMA
-    // chains, each key vector loaded once), then the R sums together (lanes outer, rows
-    // inner: R-wide vector adds; summing each row's lanes on its own was a chain of 16 scalar
-    // adds per row and token, a third of the fold's time).
-    Lanes acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Lanes{};
+    for (int col = 0; col < cols; ++col) {
+      if (ch == 0 && col % kLanes == 0) prefetch.slice(col / kLanes, slices);
+      const Lanes w = load_lanes(k.w_cols + std::size_t(col) * kChunk);
+      for (int r = 0; r < R; ++r) d[r] -= in[std::size_t(r) * cols + col] * w;
+    }
+    alignas(64) float coeff[R][kChunk];
+    for (int r = 0; r < R; ++r) store_lanes(coeff[r], d[r]);
+    const float* key0 = keys + std::size_t(k.first) * cols;
     int n = 0;
     for (; n + kLanes <= cols; n += kLanes) {
-      const Lanes k = load_lanes(key + n);
-      for (int r = 0; r < R; ++r) acc[r] += load_lanes(in + std::size_t(r) * cols + n) * k;
+      Lanes s[R];
+      for (int r = 0; r < R; ++r) s[r] = load_lanes(in + std::size_t(r) * cols + n) * k.gamma_last;
+      for (int j = 0; j < k.size; ++j) {
+        const Lanes key = load_lanes(key0 + std::size_t(j) * cols + n);
+        for (int r = 0; r < R; ++r) s[r] += coeff[r][j] * key;
+      }
+      for (int r = 0; r < R; ++r) store_lanes(in + std::size_t(r) * cols + n, s[r]);
     }
-    alignas(64) float part[R][kLanes];
-    float sk[R] = {};
-    for (int r = 0; r < R; ++r) {
-      store_lanes(part[r], acc[r]);
-      const float* s = in + std::size_t(r) * cols;
-      for (int m = n; m < cols; ++m) sk[r] += s[m] * key[m];
-    }
-    for (int k = 0; k < kLanes; ++k) {
-      for (int r = 0; r < R; ++r) sk[r] += part[r][k];
-    }
-    float d[R];
-    for (int r = 0; r < R; ++r) {
-      d[r] = beta[j] * (values[std::size_t(j) * c.rows + v0 + r] - gamma * sk[r]) * inv_gamma;
-    }
-    for (n = 0; n + kLanes <= cols; n += kLanes) {
-      const Lanes k = load_lanes(key + n);
+    for (; n < cols; ++n) {
       for (int r = 0; r < R; ++r) {
-        float* s = in + std::size_t(r) * cols + n;
-        store_lanes(s, load_lanes(s) + d[r] * k);
+        float s = in[std::size_t(r) * cols + n] * k.gamma_last;
+        for (int j = 0; j < k.size; ++j) s += coeff[r][j] * key0[std::size_t(j) * cols + n];
+        in[std::size_t(r) * cols + n] = s;
       }
     }
-    for (int r = 0; r < R; ++r) {
-      float* s = in + std::size_t(r) * cols;
-      for (int m = n; m < cols; ++m) s[m] += d[r] * key[m];
-    }
-    if (gamma < kGdnFoldRescaleBelow) rescale();
   }
-  rescale();
   for (int r = 0; r < R; ++r) write_row(c, v0 + r, in + std::size_t(r) * cols);
 }
 
-// Heads [head_begin, head_end) of one key head: its k̂ are converted once for all of them.
+// Heads [head_begin, head_end) of one key head: its k̂ are converted, and their Gram matrices
+// computed, once for all of them.
 template <typename input_t>
 void fold_heads_gdn(const StateCacheLayout& l, int layer, int slot, int head_begin,
                     int head_end, std::uint32_t first, std::uint32_t count) {
   const int rows = l.dims.rows, cols = l.dims.cols;
   const int key_head = head_begin / l.dims.heads_per_key();
-  // The records as fp32, read once: k̂ [count, cols]; per head α, β [count], v [count, rows].
+  const int num_chunks = static_cast<int>((count + kChunk - 1) / kChunk);
+  // The records as fp32, read once: k̂ [count, cols]; per head log-decays, β [count] and
+  // v [count, rows].
   float* keys = scratch(kFoldScratch + 0, std::size_t(count) * cols);
   for (std::uint32_t j = 0; j < count; ++j) {
     const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
@@ -236,25 +292,41 @@ void fold_heads_gdn(const StateCacheLayout& l, int layer, int slot, int head_beg
       keys[std::size_t(j) * cols + k] = to_float(r.key[key_head * cols + k]) * key_scale;
     }
   }
-  float* alpha = scratch(kFoldScratch + 1, count);
-  float* beta = scratch(kFoldScratch + 2, count);
-  float* values = scratch(kFoldScratch + 3, std::size_t(count) * rows);
-  float* in = scratch(kFoldScratch + 4, std::size_t(kFoldRows) * cols);
+  float* gram = scratch(kFoldScratch + 1, std::size_t(num_chunks) * kChunk * kChunk);
+  for (int ch = 0; ch < num_chunks; ++ch) {
+    const int begin = ch * kChunk, size = std::min<int>(kChunk, int(count) - begin);
+    gdn_chunk_gram(keys + std::size_t(begin) * cols, size, cols, gram + ch * kChunk * kChunk);
+  }
+  float* log_decay = scratch(kFoldScratch + 2, count);
+  float* beta = scratch(kFoldScratch + 3, count);
+  float* values = scratch(kFoldScratch + 4, std::size_t(count) * rows);
+  float* in = scratch(kFoldScratch + 5, std::size_t(kFoldRows) * cols);
+  const std::size_t per_chunk = std::size_t(kChunk) * (cols + kChunk);
+  float* prepared = scratch(kFoldScratch + 6, num_chunks * per_chunk);
+  thread_local std::vector<GdnChunk> chunk_storage;
+  chunk_storage.resize(std::size_t(num_chunks));
+  GdnChunk* chunks = chunk_storage.data();
   for (int head = head_begin; head < head_end; ++head) {
     for (std::uint32_t j = 0; j < count; ++j) {
       const RingRecord<input_t> r = ring_record<input_t>(l, layer, slot, first + j);
-      alpha[j] = std::exp(r.decay[head]);
+      log_decay[j] = r.decay[head];
       beta[j] = r.write[head];
       for (int v = 0; v < rows; ++v) {
         values[std::size_t(j) * rows + v] = to_float(r.vec[head * rows + v]);
       }
     }
+    for (int ch = 0; ch < num_chunks; ++ch) {
+      const int begin = ch * kChunk, size = std::min<int>(kChunk, int(count) - begin);
+      chunks[ch] = prepare_gdn_chunk(begin, size, cols, keys + std::size_t(begin) * cols,
+                                     gram + ch * kChunk * kChunk, log_decay + begin,
+                                     beta + begin, prepared + ch * per_chunk);
+    }
     const CheckpointHead c = checkpoint_head(l, layer, slot, head);
     int v = 0;
     for (; v + kFoldRows <= rows; v += kFoldRows) {
-      fold_rows_gdn<kFoldRows>(c, v, in, keys, alpha, beta, values, count);
+      fold_rows_gdn<kFoldRows>(c, v, in, keys, values, chunks, num_chunks);
     }
-    for (; v < rows; ++v) fold_rows_gdn<1>(c, v, in, keys, alpha, beta, values, count);
+    for (; v < rows; ++v) fold_rows_gdn<1>(c, v, in, keys, values, chunks, num_chunks);
   }
 }
 
