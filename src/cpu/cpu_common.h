@@ -89,6 +89,9 @@ inline float widen(fp8e4m3_t v) {
 inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
   int i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(__CUDACC__)
+  // GCC 12's own _mm512_cvtph_ps trips its -Wmaybe-uninitialized (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
   // Sixteen at a time with 64-byte stores: the dot that reads `out` back loads 64 bytes at a
   // time, and a load spanning two 32-byte stores cannot be forwarded from them (it waits for
   // both to reach the cache: the 8-wide version below left the fp8 mat-vec stalled there).
@@ -104,6 +107,7 @@ inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
       _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtph_ps(h), bias));
     }
   }
+#pragma GCC diagnostic pop
 #endif
 #if defined(__F16C__) && defined(__AVX2__) && !defined(__CUDACC__)
   const __m128i sign_mask = _mm_set1_epi16(0x80), magnitude_mask = _mm_set1_epi16(0x7f);
