@@ -238,6 +238,12 @@ class RowDots {
   const char* c = static_cast<const char*>(p);
   for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
+/// prefetch_bytes for lines about to be overwritten whole: owned before the stores arrive, so
+/// they do not wait on the read that a store miss makes.
+[[gnu::always_inline]] inline void prefetch_bytes_for_write(const void* p, std::size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+}
 
 /// Rows ahead that checkpoint_matvec requests, across the end of the head's block into the
 /// next head's (prefetches never fault).
