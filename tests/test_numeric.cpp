@@ -1,4 +1,5 @@
-// src/common/numeric.h: the scalar conversions the CPU backend and the CUDA kernels share.
+// src/common/numeric.h: the scalar conversions the CPU backend and the CUDA kernels share, and
+// the CPU backend's vector helpers (built here without -march=native: their portable paths).
 // Hand-computed values for round-to-nearest-even, ties, subnormals, overflow, NaN and fp8
 // saturation, then every code round-tripped and random floats checked against an independent
 // nearest-value search (the encoders use bit tricks; the search uses only comparisons).
@@ -318,6 +319,45 @@ TEST(NumericFp8, CpuCodecsMatchTheSharedOnes) {
   cpu::widen_fp8_row(codes.data(), static_cast<int>(codes.size()), row.data());
   for (std::size_t i = 0; i < codes.size(); ++i) {
     ASSERT_EQ(float_bits(row[i]), float_bits(to_float(codes[i]))) << int(codes[i].bits);
+  }
+}
+
+// The CPU mat-vec's row dots (cpu_common.h RowDots: partial sums per row, then the 16-row
+// transpose-and-add tree or the row-by-row tail) against plain float64 sums, for fp32 and bf16
+// rows, at row counts below, at and past 16 and lengths with and without a vector tail. Each
+// row's values differ, so a row summed into the wrong output fails.
+TEST(NumericRowDots, MatchFloat64Sums) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int rows : {1, 5, 16, 17, 40, 128}) {
+    for (int n : {7, 16, 33, 128}) {
+      std::vector<float> a(std::size_t(rows) * n), b(n), partials(16 * std::size_t(rows));
+      std::vector<bf16_t> a_bf16(a.size());
+      for (float& x : a) x = u(rng);
+      for (float& x : b) x = u(rng);
+      for (std::size_t i = 0; i < a.size(); ++i) a_bf16[i] = float_to_bf16(a[i]);
+      for (bool low : {false, true}) {
+        cpu::RowDots dots(rows, partials.data());
+        for (int r = 0; r < rows; ++r) {
+          if (low) {
+            dots.set(r, a_bf16.data() + std::size_t(r) * n, b.data(), n, 0.5f);
+          } else {
+            dots.set(r, a.data() + std::size_t(r) * n, b.data(), n, 0.5f);
+          }
+        }
+        std::vector<float> out(rows);
+        dots.reduce(out.data());
+        for (int r = 0; r < rows; ++r) {
+          double want = 0.0;
+          for (int i = 0; i < n; ++i) {
+            const std::size_t e = std::size_t(r) * n + i;
+            want += double(low ? to_float(a_bf16[e]) : a[e]) * b[i];
+          }
+          EXPECT_NEAR(out[r], 0.5 * want, 1e-5) << "rows " << rows << " n " << n << " row " << r
+                                                << (low ? " bf16" : " fp32");
+        }
+      }
+    }
   }
 }
 
