@@ -160,7 +160,7 @@ struct BenchArgs {
   std::vector<std::string> shapes = {"all"};
   std::vector<int> batches = {16, 64};
   int buffer_len = 16;
-  std::vector<std::string> checkpoints = {"fp32"};
+  std::vector<std::string> checkpoints = {"fp32", "fp32+bf16"};  // plain, and the mode to serve with
   std::string flush = "aligned";
   std::string eager_state = "f32";
   int repetitions = 5;
