@@ -170,6 +170,35 @@ TEST(GdnReplayStrongDecay, MatchesOracle) {
   EXPECT_LE(r.export_error, kFp32Tol);
 }
 
+// Nearly parallel keys, β near 1 and almost no decay, over folds of 1 to 4 chunks of 16
+// tokens: the case where the chunk-form fold's triangular solve is least well conditioned
+// (its entries alternate in sign and grow), against the float64 oracle at the fp32 tolerance.
+class GdnReplayParallelKeys : public ::testing::TestWithParam<int> {};
+
+TEST_P(GdnReplayParallelKeys, MatchesOracle) {
+  const int L = GetParam();
+  RunSpec spec = gdn_spec(kSmall, DecodeMode::kReplay, DType::kF32);
+  spec.cache.buffer_len = L;
+  set_keys(&spec, true, 0.0f);
+  spec.recipe.key_spread = 0.005;
+  spec.recipe.g_fixed = -1e-3;
+  spec.recipe.beta_lo = 0.99;
+  spec.recipe.beta_hi = 1.0;
+  spec.batch = 2;
+  spec.steps = 4 * L + 3;
+  spec.stagger = 5;
+  spec.seed = 97 + L;
+  const RunResult r = testing::run_gdn(spec);
+  ASSERT_EQ(r.failure, "");
+  EXPECT_LE(r.max_error, kFp32Tol);
+  EXPECT_LE(r.export_error, kFp32Tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(L, GdnReplayParallelKeys, ::testing::Values(16, 40, 64),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return testing::int_tag("L", i.param);
+                         });
+
 struct StructuredCase {
   DecodeMode mode;
   int L;

@@ -345,6 +345,13 @@ GdnTokens make_gdn_tokens(const GdnShape& s, int batch, int T, DType input_dtype
   const double key_sd = r.unit_keys ? 1.0 / std::sqrt(double(s.head_k_dim)) : 1.0;
   t.q = activations(bt * s.num_k_heads * s.head_k_dim, key_sd, r, rng);
   t.k = activations(bt * s.num_k_heads * s.head_k_dim, key_sd, r, rng);
+  if (r.key_spread > 0.0) {
+    const std::size_t per_token = std::size_t(s.num_k_heads) * s.head_k_dim;
+    for (std::size_t i = 0; i < t.k.size(); ++i) {
+      const double direction = std::sin(0.37 * double(i % per_token) + 1.0);
+      t.k[i] = float(key_sd * (direction + r.key_spread * rng.normal()));
+    }
+  }
   t.v = activations(bt * s.num_v_heads * s.head_v_dim, 1.0, r, rng);
   t.g.resize(bt * s.num_v_heads);
   t.beta.resize(bt * s.num_v_heads);

@@ -146,6 +146,10 @@ struct Recipe {
   double g_fixed = 0.0;          ///< g ≈ g_fixed·(1 + U(−0.1, 0.1)) when != 0
   double beta_lo = 0.0;          ///< β ~ U(beta_lo, beta_hi) when beta_hi > 0
   double beta_hi = 0.0;
+  /// When > 0, every token's key is one fixed direction (the same for all tokens and rows)
+  /// plus key_spread·N(0, 1) noise: nearly parallel keys, the ill-conditioned case for folds
+  /// that solve the delta rule's recurrence over many tokens at once.
+  double key_spread = 0.0;
   /// Without qk_l2norm the raw keys are used, so they are drawn with |k| ≈ 1 (a delta rule
   /// with β|k|² > 2 diverges); with it, k ~ N(0, 1) of any norm.
   bool unit_keys = false;
