@@ -222,33 +222,41 @@ inline Lanes sum_lanes_of_16(const float* p) {
   // Each level halves the vectors: the pair's lanes are regrouped so that the two halves of
   // every vector's remaining partial sums meet in one lane, then added.
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: vector 2i's 8 partial sums; 8-15: 2i+1's
     const Lanes a = v[2 * i], b = v[2 * i + 1];
-    v[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    v[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7,  //
+                                   16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15,  //
+                                   24, 25, 26, 27, 28, 29, 30, 31);
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 4; ++i) {  // 4 partial sums each of 4 vectors
     const Lanes a = v[2 * i], b = v[2 * i + 1];
-    v[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    v[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19,  //
+                                   8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23,  //
+                                   12, 13, 14, 15, 28, 29, 30, 31);
   }
 #pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 2; ++i) {  // 2 partial sums each of 8 vectors
     const Lanes a = v[2 * i], b = v[2 * i + 1];
-    v[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    v[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21,  //
+                                   8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23,  //
+                                   10, 11, 26, 27, 14, 15, 30, 31);
   }
-  return __builtin_shufflevector(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return __builtin_shufflevector(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22,  //
+                                 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23,  //
+                                 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
 /// Dot products of many rows with vectors, with the horizontal reductions deferred: the
 /// streaming loop only accumulates each row's 16 lanes and stores them (one vector store), and
-/// the lanes are summed in a separate pass, 16 rows at a time (sum_lanes_of_16). Reducing each
-/// row's lanes on the spot put a serial chain of scalar adds between the streaming loads (30%
-/// of a replay step at the super120b shape); summing them row by row afterwards was a chain of
-/// 16 scalar adds per row, about as long as streaming the row (bf16, 2-core EPYC).
+/// the lanes are summed apart, 16 rows at a time (sum_lanes_of_16). Reducing each row's lanes
+/// on the spot put a serial chain of scalar adds between the streaming loads (30% of a replay
+/// step at the super120b shape); summing them row by row after a head's rows added ~25% to
+/// streaming a bf16 head, the tree right after each 16 rows ~10% (microbenchmark, 2-core EPYC).
 class RowDots {
  public:
   static constexpr int kLanes = 16;

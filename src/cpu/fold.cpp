@@ -210,7 +210,7 @@ GdnChunk prepare_gdn_chunk(int first, int size, int cols, const float* keys,
     for (int i = 0; i < j; ++i) decay[j][i] = decay[j - 1][i] * alpha;
   }
   // T by forward substitution, one column at a time: (I + N)·x = β_i·e_i.
-  float t[kChunk][kChunk] = {};  // t[j][i] = T'[j][i]
+  float t[kChunk][kChunk] = {};  // t[j][i] = T[j][i], then T'[j][i] once its rows are scaled
   for (int i = 0; i < size; ++i) {
     t[i][i] = beta[i];
     for (int j = i + 1; j < size; ++j) {
@@ -252,27 +252,29 @@ void fold_rows_gdn(const CheckpointHead& c, int v0, float* in, const float* keys
   const NextRowsPrefetch prefetch(c, v0 + R, v0 + 2 * R <= c.rows ? R : 0);
   const int slices = (cols + kLanes - 1) / kLanes;
   for (int ch = 0; ch < num_chunks; ++ch) {
-    const GdnChunk& k = chunks[ch];
+    const GdnChunk& chunk = chunks[ch];
     Lanes d[R];
     for (int r = 0; r < R; ++r) d[r] = Lanes{};
-    for (int i = 0; i < k.size; ++i) {
-      const Lanes t_col = load_lanes(k.t_cols + i * kChunk);
-      const float* v = values + std::size_t(k.first + i) * c.rows + v0;
+    for (int i = 0; i < chunk.size; ++i) {
+      const Lanes t_col = load_lanes(chunk.t_cols + i * kChunk);
+      const float* v = values + std::size_t(chunk.first + i) * c.rows + v0;
       for (int r = 0; r < R; ++r) d[r] += v[r] * t_col;
     }
     for (int col = 0; col < cols; ++col) {
       if (ch == 0 && col % kLanes == 0) prefetch.slice(col / kLanes, slices);
-      const Lanes w = load_lanes(k.w_cols + std::size_t(col) * kChunk);
+      const Lanes w = load_lanes(chunk.w_cols + std::size_t(col) * kChunk);
       for (int r = 0; r < R; ++r) d[r] -= in[std::size_t(r) * cols + col] * w;
     }
     alignas(64) float coeff[R][kChunk];
     for (int r = 0; r < R; ++r) store_lanes(coeff[r], d[r]);
-    const float* key0 = keys + std::size_t(k.first) * cols;
+    const float* key0 = keys + std::size_t(chunk.first) * cols;
     int n = 0;
     for (; n + kLanes <= cols; n += kLanes) {
       Lanes s[R];
-      for (int r = 0; r < R; ++r) s[r] = load_lanes(in + std::size_t(r) * cols + n) * k.gamma_last;
-      for (int j = 0; j < k.size; ++j) {
+      for (int r = 0; r < R; ++r) {
+        s[r] = load_lanes(in + std::size_t(r) * cols + n) * chunk.gamma_last;
+      }
+      for (int j = 0; j < chunk.size; ++j) {
         const Lanes key = load_lanes(key0 + std::size_t(j) * cols + n);
         for (int r = 0; r < R; ++r) s[r] += coeff[r][j] * key;
       }
@@ -280,8 +282,8 @@ void fold_rows_gdn(const CheckpointHead& c, int v0, float* in, const float* keys
     }
     for (; n < cols; ++n) {
       for (int r = 0; r < R; ++r) {
-        float s = in[std::size_t(r) * cols + n] * k.gamma_last;
-        for (int j = 0; j < k.size; ++j) s += coeff[r][j] * key0[std::size_t(j) * cols + n];
+        float s = in[std::size_t(r) * cols + n] * chunk.gamma_last;
+        for (int j = 0; j < chunk.size; ++j) s += coeff[r][j] * key0[std::size_t(j) * cols + n];
         in[std::size_t(r) * cols + n] = s;
       }
     }
