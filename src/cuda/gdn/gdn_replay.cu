@@ -400,10 +400,11 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     }
     // Exact alternative, measured and not kept: carrying the row as s = Γ·ŝ (Γ the decay
     // product) saves the per-token s ← α·s (2 instead of 3 ops per element and token, as the
-    // CPU fold does), but Γ and 1/Γ per row raised the spills under the 64-register cap
+    // CPU fold once did), but Γ and 1/Γ per row raised the spills under the 64-register cap
     // (28 → 60 bytes) and the step got slower: qwen35-4b, batch 256, L = 16, fp32 / bf16 /
     // fp32+bf16: 193.0 / 146.1 / 148.6 µs against 189.7 / 145.0 / 143.0; spec T = 4: 407.7
-    // against 383.0 (docs/BENCHMARKS_CUDA_GDN.md, "Tuning").
+    // against 383.0 (docs/BENCHMARKS_CUDA_GDN.md, "Tuning"). The CPU fold now uses the chunk
+    // form (cpu/fold.cpp), the candidate here too (docs/BENCHMARKS.md, what bounds replay).
     for (int j = 0; j < hist; ++j) {
       // k̂_j = scale_j·k_j with the scale taken into the row's two scalars (s·k̂ = scale·(s·k),
       // d·k̂ = (d·scale)·k): the same fp32 arithmetic as the CPU's up to rounding order, and
