@@ -158,6 +158,14 @@ inline void read_output_row(const CheckpointHead& c, int r, float* out) {
   }
 }
 
+/// Unrolls the next loop (of at most 16 trips) completely. nvcc's front end, which reads this
+/// header for the CUDA tests' host code, has its own spelling.
+#if defined(__CUDACC__)
+#define REPLAYSSM_UNROLL_FULLY _Pragma("unroll")
+#else
+#define REPLAYSSM_UNROLL_FULLY _Pragma("GCC unroll 16")
+#endif
+
 /// 16 floats as one GCC/Clang vector: one AVX-512 register, two AVX2 ones, four SSE ones,
 /// whatever the build targets, without intrinsics.
 constexpr int kLanes = 16;
@@ -217,11 +225,11 @@ constexpr bool kHasWidenLanes = std::is_same_v<elem_t, bf16_t>;
 inline Lanes sum_lanes_of_16(const float* p) {
   constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   Lanes v[kLanes];
-#pragma GCC unroll 16
+REPLAYSSM_UNROLL_FULLY
   for (int i = 0; i < kLanes; ++i) v[i] = load_lanes(p + kBitReversed[i] * kLanes);
   // Each level halves the vectors: the pair's lanes are regrouped so that the two halves of
   // every vector's remaining partial sums meet in one lane, then added.
-#pragma GCC unroll 8
+REPLAYSSM_UNROLL_FULLY
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: vector 2i's 8 partial sums; 8-15: 2i+1's
     const Lanes a = v[2 * i], b = v[2 * i + 1];
     v[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7,  //
@@ -229,7 +237,7 @@ inline Lanes sum_lanes_of_16(const float* p) {
            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15,  //
                                    24, 25, 26, 27, 28, 29, 30, 31);
   }
-#pragma GCC unroll 4
+REPLAYSSM_UNROLL_FULLY
   for (int i = 0; i < 4; ++i) {  // 4 partial sums each of 4 vectors
     const Lanes a = v[2 * i], b = v[2 * i + 1];
     v[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19,  //
@@ -237,7 +245,7 @@ inline Lanes sum_lanes_of_16(const float* p) {
            __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23,  //
                                    12, 13, 14, 15, 28, 29, 30, 31);
   }
-#pragma GCC unroll 2
+REPLAYSSM_UNROLL_FULLY
   for (int i = 0; i < 2; ++i) {  // 2 partial sums each of 8 vectors
     const Lanes a = v[2 * i], b = v[2 * i + 1];
     v[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21,  //
