@@ -133,6 +133,9 @@ Status run_cuda_bench(const BenchOptions& options, BenchReport* report);
 Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted,
                            BenchReport* report);
 
+/// The median of timed repetitions (the mean of the middle two for an even count).
+double median(std::vector<double> v);
+
 /// Fills model_bytes, gbps, pct_of_copy and speedup of every result from its timing.
 void bench_finish(BenchReport* report, const BenchOptions& options);
 /// A table, one line per case (then the speculative comparison's, when there is one).

@@ -90,6 +90,12 @@ void spec_print(const BenchReport& report, std::FILE* out) {
 
 }  // namespace
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 void bench_finish(BenchReport* report, const BenchOptions& options) {
   for (BenchResult& r : report->results) {
     const BenchShape* shape = bench_shape_find(r.shape);

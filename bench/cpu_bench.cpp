@@ -283,12 +283,6 @@ class CaseRunner {
   std::vector<std::uint8_t> out_;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Slot groups rotated so that one cycle touches at least min_state_bytes of state.
 int slot_groups(const BenchShape& shape, int batch, const BenchOptions& options,
                 std::int64_t min_state_bytes) {

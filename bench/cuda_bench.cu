@@ -28,6 +28,7 @@
 #include "cuda/common/vec.cuh"
 #include "cuda/mamba2/params.cuh"
 #include "cuda_bench.h"
+#include "cuda_bench_util.cuh"
 #include "cuda_bench_gdn.h"
 #include "engine/activations.h"
 #include "replayssm/ops.h"
@@ -44,55 +45,10 @@ constexpr int kMinRepetitions = 7;
 
 // ---- small RAII helpers ------------------------------------------------------------------
 
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
-  }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
-  Status alloc(std::size_t bytes) {
-    return cuda_status(cudaMalloc(&ptr_, std::max<std::size_t>(bytes, 16)), "cudaMalloc");
-  }
-  Status upload(const void* src, std::size_t bytes) {
-    REPLAYSSM_RETURN_IF_ERROR(alloc(bytes));
-    return cuda_status(cudaMemcpy(ptr_, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
-  }
-  template <typename T>
-  Status upload(const std::vector<T>& v) {
-    return upload(v.data(), v.size() * sizeof(T));
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
-
-struct GraphExec {
-  cudaGraphExec_t exec = nullptr;
-  ~GraphExec() {
-    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
-  }
-};
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Status create() {
-    return cuda_status(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-  }
-  ~Stream() {
-    if (s != nullptr) (void)cudaStreamDestroy(s);
-  }
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench_cuda::DeviceBuffer;
+using bench_cuda::GraphExec;
+using bench_cuda::Stream;
+using bench_cuda::time_graph;
 
 // Copy bandwidth: (read + write) bytes per second of a 1 GiB device-to-device cudaMemcpy,
 // best of 10 after 3 warm-up copies (the clocks ramp from idle), GB/s. Measured once per
@@ -148,10 +104,11 @@ Status device_name(std::string* name) {
 
 // ---- inputs ------------------------------------------------------------------------------
 
-// kInputSets token inputs [batch, T, ...] for one shape at realistic scales (the synthetic
-// trace's statistics, ALGORITHM.md / BENCHMARKS.md): never zeros, A < 0, dt_bias ≈ −4.
+// kInputSets token inputs [batch, T, ...] for one Mamba-2 shape at realistic scales (the
+// synthetic trace's statistics, ALGORITHM.md / BENCHMARKS.md): never zeros, A < 0, dt_bias ≈ −4.
+// (GDN shapes have their own inputs and cases, in cuda_bench_gdn.cu.)
 struct Inputs {
-  std::vector<DeviceBuffer> vec, key_a, key_b, head_a, head_b;  // per set
+  std::vector<DeviceBuffer> x, B, C, dt;  // per set
   DeviceBuffer A, D, dt_bias, out;
 };
 
@@ -172,26 +129,15 @@ Status make_inputs(const BenchShape& shape, int batch, int T, DType act, Inputs*
     return v;
   };
   for (int s = 0; s < kInputSets; ++s) {
-    DeviceBuffer v, ka, kb, ha, hb;
-    REPLAYSSM_RETURN_IF_ERROR(v.upload(activations_pack(act, normals(vec, 1.0f))));
-    REPLAYSSM_RETURN_IF_ERROR(ka.upload(activations_pack(act, normals(key, 1.0f))));
-    REPLAYSSM_RETURN_IF_ERROR(kb.upload(activations_pack(act, normals(key, 1.0f))));
-    if (shape.kind == LayerKind::kMamba2) {
-      REPLAYSSM_RETURN_IF_ERROR(ha.upload(normals(head, 0.5f)));  // raw dt
-    } else {
-      std::vector<float> g(head), beta(head);
-      for (std::size_t i = 0; i < head; ++i) {
-        g[i] = -std::log1p(std::exp(normal(rng) - 4.0f)) * (1.0f + 15.0f * uni(rng));
-        beta[i] = 1.0f / (1.0f + std::exp(-normal(rng)));
-      }
-      REPLAYSSM_RETURN_IF_ERROR(ha.upload(g));
-      REPLAYSSM_RETURN_IF_ERROR(hb.upload(beta));
-    }
-    in->vec.push_back(std::move(v));
-    in->key_a.push_back(std::move(ka));
-    in->key_b.push_back(std::move(kb));
-    in->head_a.push_back(std::move(ha));
-    in->head_b.push_back(std::move(hb));
+    DeviceBuffer x, B, C, dt;
+    REPLAYSSM_RETURN_IF_ERROR(x.upload(activations_pack(act, normals(vec, 1.0f))));
+    REPLAYSSM_RETURN_IF_ERROR(B.upload(activations_pack(act, normals(key, 1.0f))));
+    REPLAYSSM_RETURN_IF_ERROR(C.upload(activations_pack(act, normals(key, 1.0f))));
+    REPLAYSSM_RETURN_IF_ERROR(dt.upload(normals(head, 0.5f)));  // raw dt
+    in->x.push_back(std::move(x));
+    in->B.push_back(std::move(B));
+    in->C.push_back(std::move(C));
+    in->dt.push_back(std::move(dt));
   }
   std::vector<float> A(d.heads), D(d.heads), dt_bias(d.heads);
   for (int h = 0; h < d.heads; ++h) {
@@ -208,11 +154,12 @@ Status make_inputs(const BenchShape& shape, int batch, int T, DType act, Inputs*
 
 // ---- one timed case ----------------------------------------------------------------------
 
-// A cache of `groups` slot groups of `batch` rows, one decode (+ commit) call per group step.
+// A Mamba-2 cache of `groups` slot groups of `batch` rows, one decode (+ commit) call per group
+// step.
 class CaseRunner {
  public:
-  CaseRunner(const BenchShape& shape, int batch, int groups, const Inputs& inputs)
-      : shape_(shape), batch_(batch), groups_(groups), in_(inputs) {}
+  CaseRunner(int batch, int groups, const Inputs& inputs)
+      : batch_(batch), groups_(groups), in_(inputs) {}
 
   Status init(StateCacheConfig config, int window, int accepted) {
     window_ = window;
@@ -276,33 +223,19 @@ class CaseRunner {
  private:
   Status step(const std::int32_t* ids, int set) {
     const std::size_t s = std::size_t(set);
-    if (shape_.kind == LayerKind::kMamba2) {
-      Mamba2DecodeArgs a;
-      a.batch = batch_;
-      a.num_tokens = window_;
-      a.slot_ids = ids;
-      a.x = in_.vec[s].get();
-      a.dt = in_.head_a[s].get<const float>();
-      a.B = in_.key_a[s].get();
-      a.C = in_.key_b[s].get();
-      a.A = in_.A.get<const float>();
-      a.D = in_.D.get<const float>();
-      a.dt_bias = in_.dt_bias.get<const float>();
-      a.y = in_.out.get();
-      REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
-    } else {
-      GdnDecodeArgs a;
-      a.batch = batch_;
-      a.num_tokens = window_;
-      a.slot_ids = ids;
-      a.q = in_.key_a[s].get();
-      a.k = in_.key_b[s].get();
-      a.v = in_.vec[s].get();
-      a.g = in_.head_a[s].get<const float>();
-      a.beta = in_.head_b[s].get<const float>();
-      a.o = in_.out.get();
-      REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
-    }
+    Mamba2DecodeArgs a;
+    a.batch = batch_;
+    a.num_tokens = window_;
+    a.slot_ids = ids;
+    a.x = in_.x[s].get();
+    a.dt = in_.dt[s].get<const float>();
+    a.B = in_.B[s].get();
+    a.C = in_.C[s].get();
+    a.A = in_.A.get<const float>();
+    a.D = in_.D.get<const float>();
+    a.dt_bias = in_.dt_bias.get<const float>();
+    a.y = in_.out.get();
+    REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
     CommitArgs c;
     c.batch = batch_;
     c.slot_ids = ids;
@@ -310,7 +243,6 @@ class CaseRunner {
     return state_cache_commit(*cache_, c);
   }
 
-  const BenchShape& shape_;
   int batch_, groups_;
   int window_ = 1;
   const Inputs& in_;
@@ -319,29 +251,6 @@ class CaseRunner {
   std::vector<DeviceBuffer> ids_;
   DeviceBuffer accepted_;
 };
-
-// Replays `exec` (warm-up, then `reps` timed launches); returns µs per launch, each.
-Status time_graph(const GraphExec& exec, cudaStream_t stream, int warmup, int reps,
-                  std::vector<double>* us) {
-  for (int w = 0; w < warmup; ++w) {
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec.exec, stream));
-  }
-  cudaEvent_t start, stop;
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
-  for (int r = 0; r < reps; ++r) {
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec.exec, stream));
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
-    us->push_back(double(ms) * 1e3);
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
-  return Status::ok();
-}
 
 // Bytes of the copy a step streams per row, to size the slot rotation.
 double read_bytes_per_row(const BenchShape& shape, DecodeMode mode, CheckpointPrecision p,
@@ -384,7 +293,7 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   config.buffer_len = o.buffer_len;
   config.max_spec_tokens = cs.window;
   config.checkpoint = cs.checkpoint;
-  CaseRunner runner(shape, batch, groups, inputs);
+  CaseRunner runner(batch, groups, inputs);
   REPLAYSSM_RETURN_IF_ERROR(runner.init(config, cs.window, cs.accepted));
   if (o.flush == FlushPattern::kStaggered && cs.mode == DecodeMode::kReplay) {
     REPLAYSSM_RETURN_IF_ERROR(runner.stagger(o.buffer_len));
@@ -555,9 +464,9 @@ Status time_eager_spec(const BenchShape& shape, int batch, int T, const BenchOpt
       for (int g = 0; g < groups; ++g) {
         const std::size_t set = std::size_t(s % kInputSets);
         const EagerSpecParams p{batch, T, m.nheads, m.head_dim, m.ngroups,
-                                states[std::size_t(g)].get(), in.vec[set].get(),
-                                in.head_a[set].get<const float>(), in.key_a[set].get(),
-                                in.key_b[set].get(), in.A.get<const float>(),
+                                states[std::size_t(g)].get(), in.x[set].get(),
+                                in.dt[set].get<const float>(), in.B[set].get(),
+                                in.C[set].get(), in.A.get<const float>(),
                                 in.D.get<const float>(), in.dt_bias.get<const float>(),
                                 in.out.get()};
         REPLAYSSM_RETURN_IF_ERROR(launch_eager_spec(p, o.input_dtype, o.eager_state_dtype, stream.s));

@@ -17,6 +17,8 @@
 #include "bytes_model.h"
 #include "cuda/common/stream.h"
 #include "cuda_bench_gdn.h"
+#include "cuda_bench_util.cuh"
+#include "cuda/common/check.cuh"
 #include "engine/activations.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
@@ -25,46 +27,10 @@ namespace replayssm {
 
 namespace {
 
-#define GDN_BENCH_CUDA(expr)                                                               \
-  do {                                                                                     \
-    const cudaError_t e_ = (expr);                                                         \
-    if (e_ != cudaSuccess) {                                                               \
-      return Status(StatusCode::kCudaError, std::string(#expr) + ": " + cudaGetErrorString(e_)); \
-    }                                                                                      \
-  } while (0)
-
-/// Device memory owned by the benchmark.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
-  }
-  Status upload(const void* host, std::size_t bytes) {
-    if (ptr_ == nullptr) GDN_BENCH_CUDA(cudaMalloc(&ptr_, bytes == 0 ? 16 : bytes));
-    GDN_BENCH_CUDA(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
-    return Status::ok();
-  }
-  template <typename T>
-  Status upload(const std::vector<T>& v) {
-    return upload(v.data(), v.size() * sizeof(T));
-  }
-  Status alloc(std::size_t bytes) {
-    GDN_BENCH_CUDA(cudaMalloc(&ptr_, bytes));
-    GDN_BENCH_CUDA(cudaMemset(ptr_, 0, bytes));
-    return Status::ok();
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
+using bench_cuda::DeviceBuffer;
+using bench_cuda::GraphExec;
+using bench_cuda::Stream;
+using bench_cuda::time_graph;
 
 /// splitmix64 with Box–Muller: fast enough for the hundreds of MB of inputs a batch of 1024
 /// needs, and seeded.
@@ -201,7 +167,7 @@ class CaseRunner {
         DeviceBuffer d;
         REPLAYSSM_RETURN_IF_ERROR(d.upload(masked));
         REPLAYSSM_RETURN_IF_ERROR(step(d.get<std::int32_t>(), j % kInputSets));
-        GDN_BENCH_CUDA(cudaStreamSynchronize(cuda::launch_stream()));
+        REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cuda::launch_stream()));
       }
     }
     return Status::ok();
@@ -264,22 +230,13 @@ class CaseRunner {
   std::vector<DeviceInputs> inputs_;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /// Runs a case: warm-up cycles on the stream, then one cycle captured into a graph and replayed
 /// `repetitions` times between events. Fills µs per layer step (median, min).
 Status time_case(const CaseConfig& c, const BenchOptions& options, double* us_median,
                  double* us_min) {
-  cudaStream_t stream = nullptr;
-  GDN_BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  struct StreamGuard {
-    cudaStream_t s;
-    ~StreamGuard() { (void)cudaStreamDestroy(s); }
-  } stream_guard{stream};
+  Stream owned;
+  REPLAYSSM_RETURN_IF_ERROR(owned.create());
+  const cudaStream_t stream = owned.s;
   cuda::ScopedLaunchStream on(stream);
 
   CaseRunner runner(c);
@@ -288,41 +245,23 @@ Status time_case(const CaseConfig& c, const BenchOptions& options, double* us_me
   for (int w = 0; w < std::max(1, options.warmup_cycles); ++w) {
     REPLAYSSM_RETURN_IF_ERROR(runner.cycle());
   }
-  GDN_BENCH_CUDA(cudaStreamSynchronize(stream));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
 
   cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  GDN_BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  GraphExec exec;
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   const Status captured = runner.cycle();
-  GDN_BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
   REPLAYSSM_RETURN_IF_ERROR(captured);
-  GDN_BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  struct GraphGuard {
-    cudaGraph_t g;
-    cudaGraphExec_t e;
-    ~GraphGuard() {
-      (void)cudaGraphExecDestroy(e);
-      (void)cudaGraphDestroy(g);
-    }
-  } graph_guard{graph, exec};
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec.exec, graph, 0);
+  (void)cudaGraphDestroy(graph);
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(instantiated);
 
-  cudaEvent_t start, stop;
-  GDN_BENCH_CUDA(cudaEventCreate(&start));
-  GDN_BENCH_CUDA(cudaEventCreate(&stop));
-  GDN_BENCH_CUDA(cudaGraphLaunch(exec, stream));  // warm the graph
-  std::vector<double> us;
-  for (int rep = 0; rep < std::max(kMinRepetitions, options.repetitions); ++rep) {
-    GDN_BENCH_CUDA(cudaEventRecord(start, stream));
-    GDN_BENCH_CUDA(cudaGraphLaunch(exec, stream));
-    GDN_BENCH_CUDA(cudaEventRecord(stop, stream));
-    GDN_BENCH_CUDA(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    GDN_BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    us.push_back(double(ms) * 1e3 / runner.layer_steps());
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
-  GDN_BENCH_CUDA(cudaGetLastError());
+  std::vector<double> us;  // one warm launch, then the timed ones
+  REPLAYSSM_RETURN_IF_ERROR(
+      time_graph(exec, stream, 1, std::max(kMinRepetitions, options.repetitions), &us));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  for (double& u : us) u /= runner.layer_steps();
   *us_median = median(us);
   *us_min = *std::min_element(us.begin(), us.end());
   return Status::ok();
@@ -353,52 +292,7 @@ std::size_t read_copy_bytes(DecodeMode mode, DType state, CheckpointPrecision p)
   }
 }
 
-__global__ void read_kernel(const float4* src, std::size_t n, float* sink) {
-  float acc = 0.0f;
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    const float4 v = __ldcs(src + i);
-    acc += v.x + v.y + v.z + v.w;
-  }
-  if (acc == 1.2345f) sink[0] = acc;  // keeps the loads; never true on the zeroed buffer
-}
-
 }  // namespace
-
-Status cuda_bench_bandwidth(double* copy_gbps, double* read_gbps) {
-  constexpr std::size_t kBytes = std::size_t{2} << 30;
-  DeviceBuffer a, b, sink;
-  REPLAYSSM_RETURN_IF_ERROR(a.alloc(kBytes));
-  REPLAYSSM_RETURN_IF_ERROR(b.alloc(kBytes));
-  REPLAYSSM_RETURN_IF_ERROR(sink.alloc(64));
-  cudaEvent_t start, stop;
-  GDN_BENCH_CUDA(cudaEventCreate(&start));
-  GDN_BENCH_CUDA(cudaEventCreate(&stop));
-  int device = 0, sms = 0;
-  GDN_BENCH_CUDA(cudaGetDevice(&device));
-  GDN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  double best_copy = 0.0, best_read = 0.0;
-  for (int rep = 0; rep < 6; ++rep) {
-    float ms = 0.0f;
-    GDN_BENCH_CUDA(cudaEventRecord(start));
-    GDN_BENCH_CUDA(cudaMemcpyAsync(b.get(), a.get(), kBytes, cudaMemcpyDeviceToDevice));
-    GDN_BENCH_CUDA(cudaEventRecord(stop));
-    GDN_BENCH_CUDA(cudaEventSynchronize(stop));
-    GDN_BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    if (rep > 0) best_copy = std::max(best_copy, 2.0 * double(kBytes) / (ms * 1e-3) / 1e9);
-    GDN_BENCH_CUDA(cudaEventRecord(start));
-    read_kernel<<<sms * 8, 256>>>(a.get<const float4>(), kBytes / 16, sink.get<float>());
-    GDN_BENCH_CUDA(cudaEventRecord(stop));
-    GDN_BENCH_CUDA(cudaEventSynchronize(stop));
-    GDN_BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    if (rep > 0) best_read = std::max(best_read, double(kBytes) / (ms * 1e-3) / 1e9);
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
-  *copy_gbps = best_copy;
-  *read_gbps = best_read;
-  return Status::ok();
-}
 
 Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
                           BenchReport* report, int layers) {

@@ -44,8 +44,5 @@ struct GdnSpecResult {
 Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, int accepted,
                                const BenchOptions& options, std::vector<GdnSpecResult>* out);
 
-/// Measured device bandwidths in GB/s: copy counts read + write bytes of a device-to-device
-/// copy; read is a streaming-read kernel. Best of 5 over 2 GiB.
-Status cuda_bench_bandwidth(double* copy_gbps, double* read_gbps);
 
 }  // namespace replayssm

@@ -1,0 +1,99 @@
+#pragma once
+// What both halves of the CUDA benchmark (cuda_bench.cu: Mamba-2, cuda_bench_gdn.cu: GDN) use:
+// device memory they own, a stream, and the timed replay of a captured CUDA graph.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "cuda/common/check.cuh"
+#include "replayssm/status.h"
+
+namespace replayssm::bench_cuda {
+
+/// Device memory owned by the benchmark, zeroed when allocated.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+  }
+  Status alloc(std::size_t bytes) {
+    bytes = std::max<std::size_t>(bytes, 16);
+    if (ptr_ == nullptr) REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemset(ptr_, 0, bytes));
+    return Status::ok();
+  }
+  Status upload(const void* host, std::size_t bytes) {
+    if (ptr_ == nullptr) REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, std::max<std::size_t>(bytes, 16)));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+    return Status::ok();
+  }
+  template <typename T>
+  Status upload(const std::vector<T>& v) {
+    return upload(v.data(), v.size() * sizeof(T));
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+/// A non-blocking stream of the benchmark's own (capturable into a graph).
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() = default;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  Status create() {
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    return Status::ok();
+  }
+  ~Stream() {
+    if (s != nullptr) (void)cudaStreamDestroy(s);
+  }
+};
+
+struct GraphExec {
+  cudaGraphExec_t exec = nullptr;
+  GraphExec() = default;
+  GraphExec(const GraphExec&) = delete;
+  GraphExec& operator=(const GraphExec&) = delete;
+  ~GraphExec() {
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+  }
+};
+
+/// Replays `exec` (`warmup` untimed launches, then `reps` launches between events); appends
+/// µs per launch, each.
+inline Status time_graph(const GraphExec& exec, cudaStream_t stream, int warmup, int reps,
+                         std::vector<double>* us) {
+  for (int w = 0; w < warmup; ++w) {
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec.exec, stream));
+  }
+  cudaEvent_t start, stop;
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  for (int r = 0; r < reps; ++r) {
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec.exec, stream));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+    us->push_back(double(ms) * 1e3);
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  return Status::ok();
+}
+
+}  // namespace replayssm::bench_cuda
