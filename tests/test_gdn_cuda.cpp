@@ -32,12 +32,17 @@
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
 #include "testing/cuda_test_util.h"
+#include "testing/side_case.h"
 #include "testing/test_util.h"
 
 namespace replayssm {
 namespace {
 
 using testing::GdnCall;
+using testing::kAllPrecisions;
+using testing::shape_tag;
+using testing::side_config;
+using testing::side_name;
 using testing::GdnTokens;
 using testing::Recipe;
 using testing::Rng;
@@ -54,70 +59,12 @@ const double kBf16U = std::ldexp(1.0, -8);  // unit roundoff-ish: one bf16 ulp a
 const double kFp8U = std::ldexp(1.0, -4);
 const double kFp8TwoRoundings = 2 * kFp8U;
 
-constexpr CheckpointPrecision kAllPrecisions[] = {
-    CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
-    CheckpointPrecision::kFp32Fp8};
-
-std::string shape_tag(const GdnShape& s) {
-  return "Hk" + std::to_string(s.num_k_heads) + "Hv" + std::to_string(s.num_v_heads) + "K" +
-         std::to_string(s.head_k_dim) + "V" + std::to_string(s.head_v_dim);
-}
-
 // ---- CUDA vs CPU, side by side ---------------------------------------------------------------
 
-struct SideCase {
-  const char* name;
-  GdnShape shape;
-  DecodeMode mode;
-  DType state = DType::kF32;                                    // eager
-  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  // replay
-  DType input = DType::kF32;
-  int buffer_len = 4;
-  int window = 1;  // T
-  int batch = 3;
-  int layers = 2;
-  int steps = 24;
-  int stagger = 0;  // row r joins at step r·stagger
-  bool qk_l2norm = true;
-  bool load_initial = true;  // start from a loaded random state (the prefill hand-off)
-};
-
-std::string side_name(const ::testing::TestParamInfo<SideCase>& info) {
-  const SideCase& c = info.param;
-  std::string n = std::string(c.name) + "_" + shape_tag(c.shape) + "_in" +
-                  testing::dtype_tag(c.input) + (c.qk_l2norm ? "" : "_rawqk");
-  if (c.mode == DecodeMode::kEager) return n + "_Eager" + testing::dtype_tag(c.state);
-  return n + "_Replay" + testing::precision_tag(c.checkpoint) + "_L" +
-         std::to_string(c.buffer_len) + "_T" + std::to_string(c.window) + "_stagger" +
-         std::to_string(c.stagger);
-}
+using SideCase = testing::SideCase<GdnShape>;
 
 double output_tolerance(const SideCase& c) {
-  double tol = c.input == DType::kBF16 ? 8e-3 : 1e-4;
-  const bool low_state =
-      (c.mode == DecodeMode::kEager && c.state != DType::kF32) ||
-      (c.mode == DecodeMode::kReplay && (c.checkpoint == CheckpointPrecision::kBf16 ||
-                                         c.checkpoint == CheckpointPrecision::kFp32Bf16));
-  if (low_state) tol = std::max(tol, 2e-3);
-  if (c.mode == DecodeMode::kReplay && c.checkpoint == CheckpointPrecision::kFp32Fp8) {
-    tol = kFp8TwoRoundings;
-  }
-  return tol;
-}
-
-StateCacheConfig side_config(const SideCase& c) {
-  StateCacheConfig cfg;
-  cfg.kind = LayerKind::kGdn;
-  cfg.gdn = c.shape;
-  cfg.num_layers = c.layers;
-  cfg.capacity = c.batch + 2;  // slot 0 and the last one are guards no row uses
-  cfg.mode = c.mode;
-  cfg.input_dtype = c.input;
-  cfg.state_dtype = c.state;
-  cfg.buffer_len = c.buffer_len;
-  cfg.max_spec_tokens = c.window;
-  cfg.checkpoint = c.checkpoint;
-  return cfg;
+  return testing::side_output_tolerance(c, kFp8TwoRoundings);
 }
 
 class GdnCudaVsCpu : public ::testing::TestWithParam<SideCase> {};
@@ -182,43 +129,13 @@ std::vector<SideCase> side_cases() {
   wide.stagger = 1;
   wide.qk_l2norm = false;
   out.push_back(wide);
-  // The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps.
-  for (const GdnShape& s : {kQwen4b, kQwen122b}) {
-    for (DType state : {DType::kF32, DType::kBF16}) {
-      SideCase eager{"real", s, DecodeMode::kEager};
-      eager.state = state;
-      eager.input = DType::kBF16;
-      eager.layers = 1;
-      eager.batch = 2;
-      eager.steps = 6;
-      out.push_back(eager);
-    }
-    for (CheckpointPrecision p : kAllPrecisions) {
-      SideCase c{"real", s, DecodeMode::kReplay};
-      c.checkpoint = p;
-      c.input = DType::kBF16;
-      c.buffer_len = 16;
-      c.layers = 1;
-      c.batch = 2;
-      c.steps = 64;
-      c.stagger = 5;
-      out.push_back(c);
-    }
-  }
-  SideCase spec{"real", kQwen4b, DecodeMode::kReplay};
-  spec.checkpoint = CheckpointPrecision::kFp32Bf16;
-  spec.input = DType::kBF16;
-  spec.buffer_len = 16;
-  spec.window = 4;
-  spec.layers = 1;
-  spec.batch = 2;
-  spec.steps = 64;
-  spec.stagger = 3;
-  out.push_back(spec);
+  testing::add_real_shape_cases({kQwen4b, kQwen122b}, {DType::kF32, DType::kBF16}, kQwen4b,
+                                 &out);
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, GdnCudaVsCpu, ::testing::ValuesIn(side_cases()), side_name);
+INSTANTIATE_TEST_SUITE_P(Cases, GdnCudaVsCpu, ::testing::ValuesIn(side_cases()),
+                         side_name<GdnShape>);
 
 // ---- CUDA vs the float64 oracle over many cycles (the shared driver) -------------------------
 

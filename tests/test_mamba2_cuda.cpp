@@ -24,12 +24,17 @@
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
 #include "testing/cuda_test_util.h"
+#include "testing/side_case.h"
 #include "testing/test_util.h"
 
 namespace replayssm {
 namespace {
 
+using testing::kAllPrecisions;
 using testing::Mamba2Call;
+using testing::shape_tag;
+using testing::side_config;
+using testing::side_name;
 using testing::Mamba2Layer;
 using testing::Mamba2Tokens;
 using testing::Recipe;
@@ -45,50 +50,11 @@ const Mamba2Shape kGeneric{6, 20, 64, 3};     // dstate 64, odd head_dim: the ge
 const Mamba2Shape kNano4b{96, 80, 128, 8};    // Nemotron-3-Nano-4B
 const Mamba2Shape kSuper120b{128, 64, 128, 8};  // Nemotron-3-Super-120B
 
-std::string shape_tag(const Mamba2Shape& s) {
-  return testing::int_tag("H", s.nheads) + testing::int_tag("P", s.head_dim) +
-         testing::int_tag("N", s.dstate) + testing::int_tag("G", s.ngroups);
-}
-
 // ---- CUDA vs CPU, side by side ---------------------------------------------------------------
 
-struct SideCase {
-  const char* name;
-  Mamba2Shape shape;
-  DecodeMode mode;
-  DType state = DType::kF32;  // eager
-  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  // replay
-  DType input = DType::kF32;
-  int buffer_len = 4;
-  int window = 1;      // T
-  int batch = 3;
-  int layers = 2;
-  int steps = 24;
-  int stagger = 0;     // row r joins at step r·stagger
-  bool gate = true;
-  bool load_initial = true;  // start from a loaded random state (the prefill hand-off)
-};
+using SideCase = testing::SideCase<Mamba2Shape>;
 
-std::string side_name(const ::testing::TestParamInfo<SideCase>& info) {
-  const SideCase& c = info.param;
-  std::string n = std::string(c.name) + "_" + shape_tag(c.shape) + "_in" +
-                  testing::dtype_tag(c.input);
-  if (c.mode == DecodeMode::kEager) return n + "_Eager" + testing::dtype_tag(c.state);
-  return n + "_Replay" + testing::precision_tag(c.checkpoint) + "_L" +
-         std::to_string(c.buffer_len) + "_T" + std::to_string(c.window) + "_stagger" +
-         std::to_string(c.stagger);
-}
-
-double output_tolerance(const SideCase& c) {
-  double tol = c.input == DType::kBF16 ? 8e-3 : 1e-4;
-  const bool low_state =
-      (c.mode == DecodeMode::kEager && c.state != DType::kF32) ||
-      (c.mode == DecodeMode::kReplay && (c.checkpoint == CheckpointPrecision::kBf16 ||
-                                         c.checkpoint == CheckpointPrecision::kFp32Bf16));
-  if (low_state) tol = std::max(tol, 2e-3);
-  if (c.mode == DecodeMode::kReplay && c.checkpoint == CheckpointPrecision::kFp32Fp8) tol = 2e-2;
-  return tol;
-}
+double output_tolerance(const SideCase& c) { return testing::side_output_tolerance(c, 2e-2); }
 
 // The exported state is the master copy: fp32 except in eager bf16/f16 and shared-bf16 caches,
 // whose elements can round the other way and then evolve apart by a few ulps.
@@ -104,24 +70,14 @@ TEST_P(Mamba2CudaVsCpu, SameOutputsStatesAndCursors) {
   SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
   testing::CudaVsCpuSpec spec;
-  StateCacheConfig& cfg = spec.config;
-  cfg.kind = LayerKind::kMamba2;
-  cfg.mamba2 = c.shape;
-  cfg.num_layers = c.layers;
-  cfg.capacity = c.batch + 2;  // slot 0 and the last one are guards no row uses
-  cfg.mode = c.mode;
-  cfg.input_dtype = c.input;
-  cfg.state_dtype = c.state;
-  cfg.buffer_len = c.buffer_len;
-  cfg.max_spec_tokens = c.window;
-  cfg.checkpoint = c.checkpoint;
+  spec.config = side_config(c);
   spec.batch = c.batch;
   spec.steps = c.steps;
   spec.stagger = c.stagger;
   spec.seed = 17;
   spec.load_initial = c.load_initial;
   spec.initial_sd = 0.5;
-  spec.gate = c.gate;
+  spec.gate = true;
   spec.output_tol = output_tolerance(c);
   spec.state_tol = state_tolerance(c);
   double worst = 0.0;
@@ -144,9 +100,7 @@ std::vector<SideCase> side_cases() {
   // Replay, every checkpoint precision, plain and speculative, staggered rows so that folds
   // fall on different steps for different rows of one launch.
   for (DType input : {DType::kF32, DType::kBF16}) {
-    for (CheckpointPrecision p :
-         {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
-          CheckpointPrecision::kFp32Fp8}) {
+    for (CheckpointPrecision p : kAllPrecisions) {
       SideCase plain{"small", kSmall, DecodeMode::kReplay};
       plain.checkpoint = p;
       plain.input = input;
@@ -170,9 +124,7 @@ std::vector<SideCase> side_cases() {
       c.steps = 12;
       out.push_back(c);
     }
-    for (CheckpointPrecision p :
-         {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
-          CheckpointPrecision::kFp32Fp8}) {
+    for (CheckpointPrecision p : kAllPrecisions) {
       for (DType input : {DType::kF32, DType::kBF16}) {
         SideCase plain{"generic", s, DecodeMode::kReplay};
         plain.checkpoint = p;
@@ -189,42 +141,12 @@ std::vector<SideCase> side_cases() {
       out.push_back(spec);
     }
   }
-  // The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps.
-  for (const Mamba2Shape& s : {kNano4b, kSuper120b}) {
-    SideCase eager{"real", s, DecodeMode::kEager};
-    eager.input = DType::kBF16;
-    eager.layers = 1;
-    eager.batch = 2;
-    eager.steps = 6;
-    out.push_back(eager);
-    for (CheckpointPrecision p :
-         {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
-          CheckpointPrecision::kFp32Fp8}) {
-      SideCase c{"real", s, DecodeMode::kReplay};
-      c.checkpoint = p;
-      c.input = DType::kBF16;
-      c.buffer_len = 16;
-      c.layers = 1;
-      c.batch = 2;
-      c.steps = 64;
-      c.stagger = 5;
-      out.push_back(c);
-    }
-  }
-  SideCase spec{"real", kSuper120b, DecodeMode::kReplay};
-  spec.checkpoint = CheckpointPrecision::kFp32Bf16;
-  spec.input = DType::kBF16;
-  spec.buffer_len = 16;
-  spec.window = 4;
-  spec.layers = 1;
-  spec.batch = 2;
-  spec.steps = 64;
-  spec.stagger = 3;
-  out.push_back(spec);
+  testing::add_real_shape_cases({kNano4b, kSuper120b}, {DType::kF32}, kSuper120b, &out);
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, Mamba2CudaVsCpu, ::testing::ValuesIn(side_cases()), side_name);
+INSTANTIATE_TEST_SUITE_P(Cases, Mamba2CudaVsCpu, ::testing::ValuesIn(side_cases()),
+                         side_name<Mamba2Shape>);
 
 // ---- CUDA vs the float64 oracle over many cycles (the shared driver) -------------------------
 

@@ -1,0 +1,139 @@
+#pragma once
+// The CUDA-vs-CPU cases of the CUDA decode tests (test_mamba2_cuda.cpp, test_gdn_cuda.cpp): one
+// case type for both layer kinds (Shape is Mamba2Shape or GdnShape), its test name, the cache
+// it configures, the output tolerance both families share, and the real-shape cases.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "replayssm/state_cache.h"
+#include "replayssm/types.h"
+#include "testing/test_util.h"
+
+namespace replayssm::testing {
+
+inline constexpr CheckpointPrecision kAllPrecisions[] = {
+    CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
+    CheckpointPrecision::kFp32Fp8};
+
+template <typename Shape>
+struct SideCase {
+  const char* name;
+  Shape shape;
+  DecodeMode mode;
+  DType state = DType::kF32;                                    // eager
+  CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  // replay
+  DType input = DType::kF32;
+  int buffer_len = 4;
+  int window = 1;  // T
+  int batch = 3;
+  int layers = 2;
+  int steps = 24;
+  int stagger = 0;           // row r joins at step r·stagger
+  bool qk_l2norm = true;     // GDN: normalised q and k
+  bool load_initial = true;  // start from a loaded random state (the prefill hand-off)
+};
+
+inline std::string shape_tag(const Mamba2Shape& s) {
+  return int_tag("H", s.nheads) + int_tag("P", s.head_dim) + int_tag("N", s.dstate) +
+         int_tag("G", s.ngroups);
+}
+inline std::string shape_tag(const GdnShape& s) {
+  return "Hk" + std::to_string(s.num_k_heads) + "Hv" + std::to_string(s.num_v_heads) + "K" +
+         std::to_string(s.head_k_dim) + "V" + std::to_string(s.head_v_dim);
+}
+
+template <typename Shape>
+std::string side_name(const ::testing::TestParamInfo<SideCase<Shape>>& info) {
+  const SideCase<Shape>& c = info.param;
+  std::string n = std::string(c.name) + "_" + shape_tag(c.shape) + "_in" + dtype_tag(c.input) +
+                  (c.qk_l2norm ? "" : "_rawqk");
+  if (c.mode == DecodeMode::kEager) return n + "_Eager" + dtype_tag(c.state);
+  return n + "_Replay" + precision_tag(c.checkpoint) + "_L" + std::to_string(c.buffer_len) +
+         "_T" + std::to_string(c.window) + "_stagger" + std::to_string(c.stagger);
+}
+
+/// The cache of a case: slot 0 and the last slot are guards no row uses.
+template <typename Shape>
+StateCacheConfig side_config(const SideCase<Shape>& c) {
+  StateCacheConfig cfg;
+  if constexpr (std::is_same_v<Shape, GdnShape>) {
+    cfg.kind = LayerKind::kGdn;
+    cfg.gdn = c.shape;
+  } else {
+    cfg.kind = LayerKind::kMamba2;
+    cfg.mamba2 = c.shape;
+  }
+  cfg.num_layers = c.layers;
+  cfg.capacity = c.batch + 2;
+  cfg.mode = c.mode;
+  cfg.input_dtype = c.input;
+  cfg.state_dtype = c.state;
+  cfg.buffer_len = c.buffer_len;
+  cfg.max_spec_tokens = c.window;
+  cfg.checkpoint = c.checkpoint;
+  return cfg;
+}
+
+/// max|out_cuda − out_cpu| / max|out_cpu| allowed per call (the tests' headers say why):
+/// 8e-3 for bf16 outputs, else 1e-4; at least 2e-3 with a bf16 state or read copy; `fp8` for
+/// an fp8 read copy.
+template <typename Shape>
+double side_output_tolerance(const SideCase<Shape>& c, double fp8) {
+  double tol = c.input == DType::kBF16 ? 8e-3 : 1e-4;
+  const bool low_state =
+      (c.mode == DecodeMode::kEager && c.state != DType::kF32) ||
+      (c.mode == DecodeMode::kReplay && (c.checkpoint == CheckpointPrecision::kBf16 ||
+                                         c.checkpoint == CheckpointPrecision::kFp32Bf16));
+  if (low_state) tol = std::max(tol, 2e-3);
+  if (c.mode == DecodeMode::kReplay && c.checkpoint == CheckpointPrecision::kFp32Fp8) tol = fp8;
+  return tol;
+}
+
+/// The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps;
+/// eager in each of `eager_states`, replay in every precision, and a T = 4 verify on
+/// `spec_shape` in fp32+bf16.
+template <typename Shape>
+void add_real_shape_cases(std::initializer_list<Shape> shapes,
+                          std::initializer_list<DType> eager_states, const Shape& spec_shape,
+                          std::vector<SideCase<Shape>>* out) {
+  for (const Shape& s : shapes) {
+    for (DType state : eager_states) {
+      SideCase<Shape> eager{"real", s, DecodeMode::kEager};
+      eager.state = state;
+      eager.input = DType::kBF16;
+      eager.layers = 1;
+      eager.batch = 2;
+      eager.steps = 6;
+      out->push_back(eager);
+    }
+    for (CheckpointPrecision p : kAllPrecisions) {
+      SideCase<Shape> c{"real", s, DecodeMode::kReplay};
+      c.checkpoint = p;
+      c.input = DType::kBF16;
+      c.buffer_len = 16;
+      c.layers = 1;
+      c.batch = 2;
+      c.steps = 64;
+      c.stagger = 5;
+      out->push_back(c);
+    }
+  }
+  SideCase<Shape> spec{"real", spec_shape, DecodeMode::kReplay};
+  spec.checkpoint = CheckpointPrecision::kFp32Bf16;
+  spec.input = DType::kBF16;
+  spec.buffer_len = 16;
+  spec.window = 4;
+  spec.layers = 1;
+  spec.batch = 2;
+  spec.steps = 64;
+  spec.stagger = 3;
+  out->push_back(spec);
+}
+
+}  // namespace replayssm::testing
