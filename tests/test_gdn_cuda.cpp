@@ -90,38 +90,14 @@ TEST_P(GdnCudaVsCpu, SameOutputsStatesAndCursors) {
 
 std::vector<SideCase> side_cases() {
   std::vector<SideCase> out;
+  constexpr auto kF32 = DType::kF32, kBF16 = DType::kBF16;
   // Eager, both state dtypes, an odd shape (rows past the head in the last pass), raw q/k.
-  for (DType input : {DType::kF32, DType::kBF16}) {
-    for (DType state : {DType::kF32, DType::kBF16}) {
-      SideCase c{"small", kOdd, DecodeMode::kEager};
-      c.state = state;
-      c.input = input;
-      c.steps = 12;
-      out.push_back(c);
-    }
-  }
+  testing::add_eager_cases("small", kOdd, {kF32, kBF16}, {kF32, kBF16}, &out);
   SideCase raw{"small", kSmall, DecodeMode::kEager};
   raw.qk_l2norm = false;
   out.push_back(raw);
-  // Replay, every checkpoint precision, plain and speculative, staggered rows so that folds
-  // fall on different steps for different rows of one launch (mixed fill levels).
-  for (DType input : {DType::kF32, DType::kBF16}) {
-    for (CheckpointPrecision p : kAllPrecisions) {
-      SideCase plain{"small", kSmall, DecodeMode::kReplay};
-      plain.checkpoint = p;
-      plain.input = input;
-      plain.stagger = 1;
-      out.push_back(plain);
-      SideCase spec{"small", kOdd, DecodeMode::kReplay};
-      spec.checkpoint = p;
-      spec.input = input;
-      spec.buffer_len = 5;
-      spec.window = 4;
-      spec.steps = 30;
-      spec.stagger = 2;
-      out.push_back(spec);
-    }
-  }
+  // Replay, every checkpoint precision, plain and speculative.
+  testing::add_replay_cases("small", kSmall, kOdd, {kF32, kBF16}, {kF32, kBF16}, &out);
   SideCase wide{"small", kSmall, DecodeMode::kReplay};  // the widest window, raw q/k
   wide.window = 8;
   wide.buffer_len = 3;
@@ -129,8 +105,7 @@ std::vector<SideCase> side_cases() {
   wide.stagger = 1;
   wide.qk_l2norm = false;
   out.push_back(wide);
-  testing::add_real_shape_cases({kQwen4b, kQwen122b}, {DType::kF32, DType::kBF16}, kQwen4b,
-                                 &out);
+  testing::add_real_shape_cases({kQwen4b, kQwen122b}, {kF32, kBF16}, kQwen4b, &out);
   return out;
 }
 

@@ -87,61 +87,17 @@ TEST_P(Mamba2CudaVsCpu, SameOutputsStatesAndCursors) {
 
 std::vector<SideCase> side_cases() {
   std::vector<SideCase> out;
+  constexpr auto kF32 = DType::kF32, kBF16 = DType::kBF16, kF16 = DType::kF16;
   // Eager, every state dtype, odd head_dim (rows past the head in the last pass).
-  for (DType input : {DType::kF32, DType::kBF16}) {
-    for (DType state : {DType::kF32, DType::kBF16, DType::kF16}) {
-      SideCase c{"small", kOddRows, DecodeMode::kEager};
-      c.state = state;
-      c.input = input;
-      c.steps = 12;
-      out.push_back(c);
-    }
-  }
-  // Replay, every checkpoint precision, plain and speculative, staggered rows so that folds
-  // fall on different steps for different rows of one launch.
-  for (DType input : {DType::kF32, DType::kBF16}) {
-    for (CheckpointPrecision p : kAllPrecisions) {
-      SideCase plain{"small", kSmall, DecodeMode::kReplay};
-      plain.checkpoint = p;
-      plain.input = input;
-      plain.stagger = 1;
-      out.push_back(plain);
-      SideCase spec{"small", kOddRows, DecodeMode::kReplay};
-      spec.checkpoint = p;
-      spec.input = input;
-      spec.buffer_len = 5;
-      spec.window = 4;
-      spec.steps = 30;
-      spec.stagger = 2;
-      out.push_back(spec);
-    }
-  }
+  testing::add_eager_cases("small", kOddRows, {kF32, kBF16}, {kF32, kBF16, kF16}, &out);
+  // Replay, every checkpoint precision, plain and speculative.
+  testing::add_replay_cases("small", kSmall, kOddRows, {kF32, kBF16}, {kF32, kBF16}, &out);
   // Shapes off the tuned kernels (dstate != 128) take the generic ones: the same cases.
   for (const Mamba2Shape& s : {kGolden, kGeneric}) {
-    for (DType state : {DType::kF32, DType::kBF16, DType::kF16}) {
-      SideCase c{"generic", s, DecodeMode::kEager};
-      c.state = state;
-      c.steps = 12;
-      out.push_back(c);
-    }
-    for (CheckpointPrecision p : kAllPrecisions) {
-      for (DType input : {DType::kF32, DType::kBF16}) {
-        SideCase plain{"generic", s, DecodeMode::kReplay};
-        plain.checkpoint = p;
-        plain.input = input;
-        plain.stagger = 1;
-        out.push_back(plain);
-      }
-      SideCase spec{"generic", s, DecodeMode::kReplay};
-      spec.checkpoint = p;
-      spec.buffer_len = 5;
-      spec.window = 4;
-      spec.steps = 30;
-      spec.stagger = 2;
-      out.push_back(spec);
-    }
+    testing::add_eager_cases("generic", s, {kF32}, {kF32, kBF16, kF16}, &out);
+    testing::add_replay_cases("generic", s, s, {kF32, kBF16}, {kF32}, &out);
   }
-  testing::add_real_shape_cases({kNano4b, kSuper120b}, {DType::kF32}, kSuper120b, &out);
+  testing::add_real_shape_cases({kNano4b, kSuper120b}, {kF32}, kSuper120b, &out);
   return out;
 }
 

@@ -95,6 +95,51 @@ double side_output_tolerance(const SideCase<Shape>& c, double fp8) {
   return tol;
 }
 
+/// Eager on `shape`, 12 steps, for every input × state dtype.
+template <typename Shape>
+void add_eager_cases(const char* name, const Shape& shape, std::initializer_list<DType> inputs,
+                     std::initializer_list<DType> states, std::vector<SideCase<Shape>>* out) {
+  for (DType input : inputs) {
+    for (DType state : states) {
+      SideCase<Shape> c{name, shape, DecodeMode::kEager};
+      c.state = state;
+      c.input = input;
+      c.steps = 12;
+      out->push_back(c);
+    }
+  }
+}
+
+/// Replay in every checkpoint precision, rows staggered so that folds fall on different steps
+/// for different rows of one launch (mixed fill levels): plain decoding on `plain_shape` for
+/// each of `plain_inputs`, and T = 4 verifies with L = 5 on `spec_shape` for each of
+/// `spec_inputs`.
+template <typename Shape>
+void add_replay_cases(const char* name, const Shape& plain_shape, const Shape& spec_shape,
+                      std::initializer_list<DType> plain_inputs,
+                      std::initializer_list<DType> spec_inputs,
+                      std::vector<SideCase<Shape>>* out) {
+  for (CheckpointPrecision p : kAllPrecisions) {
+    for (DType input : plain_inputs) {
+      SideCase<Shape> plain{name, plain_shape, DecodeMode::kReplay};
+      plain.checkpoint = p;
+      plain.input = input;
+      plain.stagger = 1;
+      out->push_back(plain);
+    }
+    for (DType input : spec_inputs) {
+      SideCase<Shape> spec{name, spec_shape, DecodeMode::kReplay};
+      spec.checkpoint = p;
+      spec.input = input;
+      spec.buffer_len = 5;
+      spec.window = 4;
+      spec.steps = 30;
+      spec.stagger = 2;
+      out->push_back(spec);
+    }
+  }
+}
+
 /// The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps;
 /// eager in each of `eager_states`, replay in every precision, and a T = 4 verify on
 /// `spec_shape` in fp32+bf16.
