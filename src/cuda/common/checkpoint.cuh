@@ -80,24 +80,30 @@ struct CheckpointHead {
 /// cpu::write_row: the master as is, the low copy rounded (fp8 with a fresh per-row scale
 /// max|row| / 448, 1 for an all-zero row). Then v holds what the read copy holds now.
 /// Every lane of the warp must call it (the fp8 row max is a group shuffle); lanes with
-/// `active` false (rows past the head) store nothing.
-template <CheckpointPrecision P, typename Split, typename order_t>
-__device__ __forceinline__ void checkpoint_store(const CheckpointHead<P>& c, int row, int lane,
-                                                 bool active, float (&v)[Split::kPerLane]) {
+/// `active` false (rows past the head) store nothing. The family's kernels supply how a
+/// fragment is stored into a row, store_row(fragment, row pointer), and read back,
+/// unpack(fragment, v) (GDN masks columns past K and widens fp8 with the hardware converter).
+template <CheckpointPrecision P, typename Split, typename order_t, typename StoreRow,
+          typename Unpack>
+__device__ __forceinline__ void checkpoint_store_with(const CheckpointHead<P>& c, int row,
+                                                      bool active,
+                                                      float (&v)[Split::kPerLane],
+                                                      int lane, StoreRow store_row,
+                                                      Unpack unpack) {
   using Traits = CheckpointTraits<P>;
   using lo_t = typename Traits::lo_t;
   constexpr int kN = Split::kPerLane;
   if constexpr (Traits::kHasHi) {
     typename Split::template Fragment<float, order_t> hi;
     hi.pack(v);
-    if (active) hi.template store<CacheOp::kStreaming>(c.hi + std::int64_t{row} * c.cols, lane);
+    if (active) store_row(hi, c.hi + std::int64_t{row} * c.cols);
   }
   if constexpr (Traits::kHasLo) {
     float scale = 1.0f, inv = 1.0f;
     if constexpr (Traits::kScaled) {
       float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kN; ++i) amax = fmaxf(amax, fabsf(v[i]));
+      for (int i = 0; i < kN; ++i) amax = fmaxf(amax, fabsf(v[i]));  // zero past the row
       amax = group_max<Split::kRowLanes>(amax);
       scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
       inv = 1.0f / scale;
@@ -107,13 +113,23 @@ __device__ __forceinline__ void checkpoint_store(const CheckpointHead<P>& c, int
     }
     typename Split::template Fragment<lo_t, order_t> lo;
     lo.pack(v);
-    if (active) lo.template store<CacheOp::kStreaming>(c.lo + std::int64_t{row} * c.cols, lane);
-    lo.unpack(v);
+    if (active) store_row(lo, c.lo + std::int64_t{row} * c.cols);
+    unpack(lo, v);
     if constexpr (Traits::kScaled) {
 #pragma unroll
       for (int i = 0; i < kN; ++i) v[i] = __fmul_rn(v[i], scale);
     }
   }
+}
+
+/// checkpoint_store_with for whole rows of Split's width.
+template <CheckpointPrecision P, typename Split, typename order_t>
+__device__ __forceinline__ void checkpoint_store(const CheckpointHead<P>& c, int row, int lane,
+                                                 bool active, float (&v)[Split::kPerLane]) {
+  checkpoint_store_with<P, Split, order_t>(
+      c, row, active, v, lane,
+      [lane](const auto& f, auto* dst) { f.template store<CacheOp::kStreaming>(dst, lane); },
+      [](const auto& f, float (&out)[Split::kPerLane]) { f.unpack(out); });
 }
 
 }  // namespace replayssm::cuda

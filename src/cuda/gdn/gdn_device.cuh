@@ -143,35 +143,12 @@ template <CheckpointPrecision P, typename order_t>
 __device__ __forceinline__ void checkpoint_store_cols(const CheckpointHead<P>& c, int row,
                                                       int lane, bool active, int cols,
                                                       float (&v)[kPerLane]) {
-  using Traits = CheckpointTraits<P>;
-  using lo_t = typename Traits::lo_t;
-  if constexpr (Traits::kHasHi) {
-    typename Split::template Fragment<float, order_t> hi;
-    hi.pack(v);
-    if (active) store_cols<CacheOp::kStreaming>(hi, c.hi + std::int64_t{row} * c.cols, lane, cols);
-  }
-  if constexpr (Traits::kHasLo) {
-    float scale = 1.0f, inv = 1.0f;
-    if constexpr (Traits::kScaled) {
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));  // zero past cols
-      amax = group_max<kRowLanes>(amax);
-      scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
-      inv = 1.0f / scale;
-      if (active && lane == 0) c.scale[row] = scale;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) v[i] = __fmul_rn(v[i], inv);
-    }
-    typename Split::template Fragment<lo_t, order_t> lo;
-    lo.pack(v);
-    if (active) store_cols<CacheOp::kStreaming>(lo, c.lo + std::int64_t{row} * c.cols, lane, cols);
-    unpack_frag(lo, v);
-    if constexpr (Traits::kScaled) {
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) v[i] = __fmul_rn(v[i], scale);
-    }
-  }
+  checkpoint_store_with<P, Split, order_t>(
+      c, row, active, v, lane,
+      [lane, cols](const auto& f, auto* dst) {
+        store_cols<CacheOp::kStreaming>(f, dst, lane, cols);
+      },
+      [](const auto& f, float (&out)[kPerLane]) { unpack_frag(f, out); });
 }
 
 /// 16-byte global → shared copy that bypasses registers and L1 (cp.async.cg, sm_80+), so a
