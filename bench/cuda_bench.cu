@@ -488,17 +488,23 @@ Status time_eager_spec(const BenchShape& shape, int batch, int T, const BenchOpt
   return Status::ok();
 }
 
+// What every run starts with: the options checked, the state each case must stream, and the
+// report's device and the copy bandwidth its percentages refer to.
+Status start_run(const BenchOptions& options, std::int64_t* min_state_bytes, BenchReport* out) {
+  REPLAYSSM_RETURN_IF_ERROR(validate(options));
+  REPLAYSSM_RETURN_IF_ERROR(min_state(options, min_state_bytes));
+  REPLAYSSM_RETURN_IF_ERROR(device_name(&out->device));
+  if (options.progress) options.progress(0.0, "copy bandwidth");
+  return measure_copy_gbps(&out->copy_gbps);
+}
+
 }  // namespace
 
 Status run_cuda_bench(const BenchOptions& options, BenchReport* report) {
   if (report == nullptr) return invalid_argument("run_cuda_bench: report is null");
-  REPLAYSSM_RETURN_IF_ERROR(validate(options));
   std::int64_t min_state_bytes = 0;
-  REPLAYSSM_RETURN_IF_ERROR(min_state(options, &min_state_bytes));
   BenchReport out;
-  REPLAYSSM_RETURN_IF_ERROR(device_name(&out.device));
-  if (options.progress) options.progress(0.0, "copy bandwidth");
-  REPLAYSSM_RETURN_IF_ERROR(measure_copy_gbps(&out.copy_gbps));
+  REPLAYSSM_RETURN_IF_ERROR(start_run(options, &min_state_bytes, &out));
 
   const std::size_t total =
       options.shapes.size() * options.batches.size() * (1 + options.checkpoints.size());
@@ -547,18 +553,14 @@ Status run_cuda_bench(const BenchOptions& options, BenchReport* report) {
 Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted,
                            BenchReport* report) {
   if (report == nullptr) return invalid_argument("run_cuda_spec_bench: report is null");
-  REPLAYSSM_RETURN_IF_ERROR(validate(options));
   if (window < 2) return invalid_argument("spec bench: the window (spec tokens) must be >= 2");
   if (accepted < 0 || accepted > window) {
     return invalid_argument("spec bench: accepted tokens must be in [0, window] (0: all)");
   }
   const int k = accepted == 0 ? window : accepted;
   std::int64_t min_state_bytes = 0;
-  REPLAYSSM_RETURN_IF_ERROR(min_state(options, &min_state_bytes));
   BenchReport out;
-  REPLAYSSM_RETURN_IF_ERROR(device_name(&out.device));
-  if (options.progress) options.progress(0.0, "copy bandwidth");
-  REPLAYSSM_RETURN_IF_ERROR(measure_copy_gbps(&out.copy_gbps));
+  REPLAYSSM_RETURN_IF_ERROR(start_run(options, &min_state_bytes, &out));
   const std::size_t total = options.shapes.size() * options.batches.size();
   std::size_t done = 0;
   BenchOptions o = options;
