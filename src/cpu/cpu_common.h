@@ -263,8 +263,9 @@ REPLAYSSM_UNROLL_FULLY
 /// streaming loop only accumulates each row's 16 lanes and stores them (one vector store), and
 /// the lanes are summed apart, 16 rows at a time (sum_lanes_of_16). Reducing each row's lanes
 /// on the spot put a serial chain of scalar adds between the streaming loads (30% of a replay
-/// step at the super120b shape); summing them row by row after a head's rows added ~25% to
-/// streaming a bf16 head, the tree right after each 16 rows ~10% (microbenchmark, 2-core EPYC).
+/// step at the super120b shape); summed row by row after a head's rows, they held up the
+/// next head's loads; the tree right after each 16 rows overlaps them (in a standalone
+/// streaming test on the 2-core EPYC, not kept, it cost about half as much).
 class RowDots {
  public:
   static constexpr int kLanes = 16;

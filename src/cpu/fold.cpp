@@ -22,8 +22,8 @@ constexpr int kFoldScratch = 8;
 // reads (the master, or the low copy in the shared bf16 mode) and, beside an fp32 master, the
 // low copy it overwrites, so that this memory traffic overlaps this block's FMAs. Without the
 // first a fold step cost its memory time plus its FMA time; the second spares the low copy's
-// stores the wait on the line reads that their misses make (a small gain: ~2% of a Mamba-2
-// fp32+bf16 fold step, super120b, batch 64, 6 paired runs on the 2-core EPYC).
+// stores the wait on the line reads that their misses make (no change above the 2-core
+// EPYC's noise in the bench's fold steps; kept as the lines are written next anyway).
 class NextRowsPrefetch {
  public:
   NextRowsPrefetch(const CheckpointHead& c, int row, int count) {
