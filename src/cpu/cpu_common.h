@@ -264,8 +264,8 @@ REPLAYSSM_UNROLL_FULLY
 /// the lanes are summed apart, 16 rows at a time (sum_lanes_of_16). Reducing each row's lanes
 /// on the spot put a serial chain of scalar adds between the streaming loads (30% of a replay
 /// step at the super120b shape); summed row by row after a head's rows, they held up the
-/// next head's loads; the tree right after each 16 rows overlaps them (in a standalone
-/// streaming test on the 2-core EPYC, not kept, it cost about half as much).
+/// next head's loads; the tree right after each 16 rows overlaps them (cheaper in a
+/// standalone streaming test on the 2-core EPYC, not kept).
 class RowDots {
  public:
   static constexpr int kLanes = 16;
