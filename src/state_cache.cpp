@@ -46,10 +46,14 @@ Status validate_config(const StateCacheConfig& c) {
     }
     return Status::ok();
   }
-  if (c.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
-  if (c.max_spec_tokens < 1) return invalid_argument("max_spec_tokens (T) must be >= 1");
-  if (c.buffer_len > 4096 || c.max_spec_tokens > 64) {
-    return invalid_argument("buffer_len must be <= 4096 and max_spec_tokens <= 64");
+  if (c.buffer_len < 1 || c.buffer_len > kMaxBufferLen) {
+    return invalid_argument("buffer_len (L) must be in [1, " + std::to_string(kMaxBufferLen) +
+                            "], got " + std::to_string(c.buffer_len));
+  }
+  if (c.max_spec_tokens < 1 || c.max_spec_tokens > kMaxSpecTokens) {
+    return invalid_argument("max_spec_tokens (T) must be in [1, " +
+                            std::to_string(kMaxSpecTokens) + "], got " +
+                            std::to_string(c.max_spec_tokens));
   }
   return Status::ok();
 }

@@ -22,6 +22,11 @@
 
 namespace replayssm {
 
+/// The ranges a cache configuration may take (one source: the library checks them at creation,
+/// tools check them before any work and quote them in --help).
+inline constexpr int kMaxBufferLen = 4096;  ///< buffer_len (L) in [1, kMaxBufferLen]
+inline constexpr int kMaxSpecTokens = 64;   ///< max_spec_tokens (T) in [1, kMaxSpecTokens]
+
 struct StateCacheConfig {
   LayerKind kind = LayerKind::kMamba2;
   Mamba2Shape mamba2;  ///< used when kind == kMamba2
