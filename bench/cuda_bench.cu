@@ -26,7 +26,7 @@
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/stream.h"
 #include "cuda/common/vec.cuh"
-#include "cuda/mamba2/params.cuh"
+#include "cuda/mamba2/mamba2_params.cuh"
 #include "cuda_bench.h"
 #include "cuda_bench_util.cuh"
 #include "cuda_bench_gdn.h"
