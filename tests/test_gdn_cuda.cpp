@@ -431,7 +431,7 @@ TEST(GdnCuda, GraphCapturedStepsMatchStreamExecution) {
     const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
     ASSERT_NO_FATAL_FAILURE(testing::expect_graph_matches_stream(
         *direct, *graphed, slots, accepted, direct_calls, graph_calls, kSteps,
-        [](StateCache& cache, const GdnCall& c) { return gdn_decode(cache, c.args); },
+        [](StateCache& cache, const GdnCall& c, Stream s) { return gdn_decode(cache, c.args, s); },
         [](const GdnCall& c) { return c.o.bytes(); }));
   }
 }

@@ -318,7 +318,9 @@ TEST(Mamba2Cuda, GraphCapturedStepsMatchStreamExecution) {
     const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
     ASSERT_NO_FATAL_FAILURE(testing::expect_graph_matches_stream(
         *direct, *graphed, slots, accepted, direct_calls, graph_calls, kSteps,
-        [](StateCache& cache, const Mamba2Call& c) { return mamba2_decode(cache, c.args); },
+        [](StateCache& cache, const Mamba2Call& c, Stream s) {
+          return mamba2_decode(cache, c.args, s);
+        },
         [](const Mamba2Call& c) { return c.y.bytes(); }));
   }
 }
