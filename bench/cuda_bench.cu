@@ -257,12 +257,7 @@ class CaseRunner {
 double read_bytes_per_row(const BenchShape& shape, DecodeMode mode, CheckpointPrecision p,
                           DType eager_state) {
   const double E = double(shape.dims().state_elems());
-  if (mode == DecodeMode::kEager) return E * double(dtype_size(eager_state));
-  switch (p) {
-    case CheckpointPrecision::kFp32: return 4.0 * E;
-    case CheckpointPrecision::kFp32Fp8: return E;
-    default: return 2.0 * E;
-  }
+  return E * bytes_model_read_copy_elem(mode, eager_state, p);
 }
 
 int slot_groups(double bytes_per_row, int batch, std::int64_t min_state_bytes) {

@@ -283,14 +283,6 @@ int slot_groups(const GdnShape& s, int batch, std::size_t bytes_per_elem,
   return int(std::max<std::int64_t>(1, (min_bytes + group - 1) / group));
 }
 
-std::size_t read_copy_bytes(DecodeMode mode, DType state, CheckpointPrecision p) {
-  if (mode == DecodeMode::kEager) return dtype_size(state);
-  switch (p) {
-    case CheckpointPrecision::kFp32: return 4;
-    case CheckpointPrecision::kFp32Fp8: return 1;
-    default: return 2;
-  }
-}
 
 }  // namespace
 
@@ -312,7 +304,7 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
       c.state_dtype = options.eager_state_dtype;
       c.input_dtype = options.input_dtype;
       c.stagger = mode == DecodeMode::kReplay && options.flush == FlushPattern::kStaggered;
-      c.groups = slot_groups(shape.gdn, batch, read_copy_bytes(mode, c.state_dtype, p), options);
+      c.groups = slot_groups(shape.gdn, batch, bytes_model_read_copy_elem(mode, c.state_dtype, p), options);
       if (options.progress) {
         const std::string what = mode == DecodeMode::kEager
                                      ? std::string("eager")
@@ -365,7 +357,7 @@ Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, i
     // Whole fold cycles: with k tokens committed per step a fold falls due every ceil(L/k)
     // steps; three of them.
     c.cycle_steps = 3 * ((options.buffer_len + accepted - 1) / std::max(1, accepted));
-    c.groups = slot_groups(shape.gdn, batch, read_copy_bytes(c.mode, c.state_dtype, p), options);
+    c.groups = slot_groups(shape.gdn, batch, bytes_model_read_copy_elem(c.mode, c.state_dtype, p), options);
     GdnSpecResult r;
     double us_min = 0.0;
     REPLAYSSM_RETURN_IF_ERROR(time_case(c, options, &r.replay_us, &us_min));
