@@ -365,13 +365,12 @@ TEST(GdnCuda, BadDeviceSlotIdsTouchNothing) {
 
 TEST(GdnCuda, UnsupportedConfigsNameWhatIsSupported) {
   SKIP_WITHOUT_GPU();
+  // Refused when the cache is created: no cache is made.
   auto decode_status = [](const StateCacheConfig& cfg) {
-    std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
-    const int slot = testing::allocate_slot(*cache);
-    Rng rng(1);
-    const GdnTokens tk = testing::make_gdn_tokens(cfg.gdn, 1, 1, cfg.input_dtype, Recipe{}, rng);
-    const GdnCall call = testing::make_gdn_call(*cache, 0, {slot}, tk, true, 0.0f);
-    return gdn_decode(*cache, call.args);
+    std::unique_ptr<StateCache> cache;
+    const Status st = state_cache_create(cfg, &cache);
+    EXPECT_FALSE(cache);
+    return st;
   };
   StateCacheConfig k100 = replay_config(CheckpointPrecision::kFp32, 1, 1);
   k100.gdn.head_k_dim = 100;
