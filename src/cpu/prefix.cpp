@@ -1,0 +1,163 @@
+// The prefix ops on a CPU cache (include/replayssm/prefix.h). Materialize runs the fold's own
+// code (fold.cpp) on a layout whose checkpoint is the caller's buffer, so its states are what
+// a fold would store, bit for bit; the rest are copies and cursor moves.
+
+#include <cstring>
+#include <vector>
+
+#include "backend.h"
+#include "cpu_common.h"
+#include "prefix_backend.h"
+
+namespace replayssm::cpu {
+
+namespace {
+
+// The buffer specs of `l` with their ring part, looked up once per call.
+std::vector<CacheBufferSpec> ring_specs(const StateCacheLayout& l) {
+  std::vector<CacheBufferSpec> out;
+  for (const CacheBufferSpec& s : cache_buffer_specs(l.config)) {
+    if (slot_part(s.id) == SlotPart::kRing) out.push_back(s);
+  }
+  return out;
+}
+
+// A one-layer, one-slot layout whose ring is (layer, slot)'s ring in `l` and whose checkpoint
+// is an fp32 master at `out` ([heads, rows, cols]) with no other copy: fold_heads on it reads
+// the cache's records and folds into `out`, leaving the cache as it was.
+StateCacheLayout fold_into(const StateCacheLayout& l, const std::vector<CacheBufferSpec>& ring,
+                           int layer, int slot, float* out) {
+  StateCacheLayout v;
+  v.config = l.config;
+  v.config.num_layers = 1;
+  v.config.capacity = 1;
+  v.config.checkpoint = CheckpointPrecision::kFp32;
+  v.dims = l.dims;
+  v.ckpt = checkpoint_traits(v.config.checkpoint);
+  v.ring_capacity = l.ring_capacity;
+  v.ckpt_hi = out;
+  for (const CacheBufferSpec& s : ring) {
+    char* base = static_cast<char*>(layout_buffer(l, s.id));
+    bind_layout_buffer(v, s.id, base + l.layer_slot(layer, slot) * slot_region_bytes(s));
+  }
+  return v;
+}
+
+// Copies `count` records between the ring of (layer, slot) from position `first` and
+// `outside` (CacheRecords' layout), in the direction `to_ring` says.
+void copy_records(const StateCacheLayout& l, int layer, int slot, std::uint32_t first,
+                  const CacheRecords& outside, bool to_ring) {
+  const SlotRuns ring = slot_runs(l, SlotPart::kRing);
+  const SlotRuns out = slot_runs(l, SlotPart::kRing, &outside);
+  for (int j = 0; j < outside.count; ++j) {
+    const std::int64_t rec = l.ring_record(layer, slot, first + std::uint32_t(j));
+    const std::int64_t at = std::int64_t{layer} * outside.count + j;
+    for (int f = 0; f < ring.count; ++f) {
+      char* in_ring = ring.run[f].base + rec * ring.run[f].bytes;
+      char* in_out = out.run[f].base + at * out.run[f].bytes;
+      const auto bytes = static_cast<std::size_t>(ring.run[f].bytes);
+      if (to_ring) {
+        std::memcpy(in_ring, in_out, bytes);
+      } else {
+        std::memcpy(in_out, in_ring, bytes);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void materialize(const StateCacheLayout& l, const MaterializeArgs& a) {
+  const std::vector<CacheBufferSpec> ring = ring_specs(l);
+  const int layers = l.config.num_layers, groups = l.dims.key_heads;
+  const int heads_per_key = l.dims.heads_per_key();
+  const std::int64_t head_elems = std::int64_t{l.dims.rows} * l.dims.cols;
+  // The heads of one key group together: they share the conversion of the records' keys.
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int b = 0; b < a.batch; ++b) {
+    for (int layer = 0; layer < layers; ++layer) {
+      for (int g = 0; g < groups; ++g) {
+        const int slot = a.slot_ids[b];
+        if (slot < 0) continue;
+        float* out = a.states + (std::int64_t{b} * layers + layer) * l.state_elems();
+        const int h0 = g * heads_per_key, h1 = h0 + heads_per_key;
+        for (int h = h0; h < h1; ++h) {
+          const CheckpointHead c = checkpoint_head(l, layer, slot, h);
+          for (int r = 0; r < l.dims.rows; ++r) {
+            read_master_row(c, r, out + h * head_elems + std::int64_t{r} * l.dims.cols);
+          }
+        }
+        const std::uint32_t first = l.folded[l.layer_slot(layer, slot)];
+        const StateCacheLayout target = fold_into(l, ring, layer, slot, out);
+        fold_heads(target, 0, 0, h0, h1, first, a.positions[b] - first);
+      }
+    }
+  }
+}
+
+void read_records(const StateCacheLayout& l, int slot, std::uint32_t first,
+                  const CacheRecords& out) {
+  for (int layer = 0; layer < l.config.num_layers; ++layer) {
+    copy_records(l, layer, slot, first, out, /*to_ring=*/false);
+  }
+}
+
+void restore(StateCacheLayout& l, const RestoreArgs& a) {
+  // load_state writes every copy from the fp32 state (as a fold does) and moves the layer's
+  // folded cursor to the slot's committed one: set that to the entry's position first.
+  l.committed[a.slot] = a.position;
+  for (int layer = 0; layer < l.config.num_layers; ++layer) {
+    load_state(l, layer, a.slot, a.states + layer * l.state_elems());
+    copy_records(l, layer, a.slot, a.position, a.records, /*to_ring=*/true);
+    l.pending[l.layer_slot(layer, a.slot)] = 0;
+  }
+  l.committed[a.slot] = a.position + std::uint32_t(a.records.count);
+}
+
+void fork(StateCacheLayout& l, const ForkArgs& a) {
+  const SlotRuns ckpt = slot_runs(l, SlotPart::kCheckpoint);
+  const SlotRuns ring = slot_runs(l, SlotPart::kRing);
+  const int layers = l.config.num_layers;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int b = 0; b < a.batch; ++b) {
+    for (int layer = 0; layer < layers; ++layer) {
+      const int src = a.src_slots[b], dst = a.dst_slots[b];
+      if (src < 0) continue;
+      for (int f = 0; f < ckpt.count; ++f) {
+        const ByteRun& r = ckpt.run[f];
+        std::memcpy(r.base + l.layer_slot(layer, dst) * r.bytes,
+                    r.base + l.layer_slot(layer, src) * r.bytes, std::size_t(r.bytes));
+      }
+      const std::uint32_t first = l.folded[l.layer_slot(layer, src)];
+      for (std::uint32_t pos = first; pos != a.positions[b]; ++pos) {
+        for (int f = 0; f < ring.count; ++f) {
+          const ByteRun& r = ring.run[f];
+          std::memcpy(r.base + l.ring_record(layer, dst, pos) * r.bytes,
+                      r.base + l.ring_record(layer, src, pos) * r.bytes, std::size_t(r.bytes));
+        }
+      }
+    }
+  }
+  for (int b = 0; b < a.batch; ++b) {
+    const int src = a.src_slots[b], dst = a.dst_slots[b];
+    if (src < 0) continue;
+    l.committed[dst] = a.positions[b];
+    for (int layer = 0; layer < layers; ++layer) {
+      l.folded[l.layer_slot(layer, dst)] = l.folded[l.layer_slot(layer, src)];
+      l.pending[l.layer_slot(layer, dst)] = 0;
+    }
+  }
+}
+
+void truncate(StateCacheLayout& l, const TruncateArgs& a) {
+  for (int b = 0; b < a.batch; ++b) {
+    const int slot = a.slot_ids[b];
+    if (slot < 0) continue;
+    l.committed[slot] = a.positions[b];
+    for (int layer = 0; layer < l.config.num_layers; ++layer) {
+      l.pending[l.layer_slot(layer, slot)] = 0;
+    }
+  }
+}
+
+}  // namespace replayssm::cpu

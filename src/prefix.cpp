@@ -1,0 +1,279 @@
+// The prefix ops (include/replayssm/prefix.h): validate, then hand to the cache's backend.
+// Everything a CPU cache can refuse is found here, before anything is written.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "prefix_backend.h"
+#include "validate.h"
+
+namespace replayssm {
+
+namespace {
+
+std::string str(std::int64_t v) { return std::to_string(v); }
+
+bool on_cpu(const StateCache& cache) { return cache.config().device == Device::kCpu; }
+
+Status require(const void* ptr, const char* op, const char* name) {
+  if (ptr != nullptr) return Status::ok();
+  return invalid_argument(std::string(op) + ": " + name + " is null");
+}
+
+Status require_replay(const StateCache& cache, const char* op) {
+  if (cache.config().mode == DecodeMode::kReplay) return Status::ok();
+  return unsupported(std::string(op) +
+                     " needs a replay cache: an eager cache holds only the state at its "
+                     "committed end (copy an eager slot's rows to fork it)");
+}
+
+Status require_batch(const char* op, int batch) {
+  if (batch >= 0) return Status::ok();
+  return invalid_argument(std::string(op) + ": batch must be >= 0, got " + str(batch));
+}
+
+// The cursors of a cache as host memory, with a layout over them: a CPU cache's own, a CUDA
+// cache's copied (synchronising the stream), so that the reach rule runs on the host for both.
+class HostCursors {
+ public:
+  Status init(const StateCache& cache, Stream stream) {
+    layout_ = cache.layout();
+    if (on_cpu(cache)) return Status::ok();
+    const auto slots = std::size_t(layout_.config.capacity);
+    const auto regions = slots * std::size_t(layout_.config.num_layers);
+    committed_.resize(slots);
+    folded_.resize(regions);
+    pending_.resize(regions);
+    const Device dev = layout_.config.device;
+    REPLAYSSM_RETURN_IF_ERROR(
+        memory_to_host(dev, committed_.data(), layout_.committed, slots * 4, stream));
+    REPLAYSSM_RETURN_IF_ERROR(
+        memory_to_host(dev, folded_.data(), layout_.folded, regions * 4, stream));
+    REPLAYSSM_RETURN_IF_ERROR(
+        memory_to_host(dev, pending_.data(), layout_.pending, regions, stream));
+    layout_.committed = committed_.data();
+    layout_.folded = folded_.data();
+    layout_.pending = pending_.data();
+    return Status::ok();
+  }
+  const StateCacheLayout& layout() const { return layout_; }
+
+ private:
+  StateCacheLayout layout_;
+  std::vector<std::uint32_t> committed_, folded_;
+  std::vector<std::uint8_t> pending_;
+};
+
+// "position 12 is out of reach of slot 3 (folded 8 in layer 1, committed 11)".
+Status check_reach(const StateCacheLayout& l, int slot, std::uint32_t p, const std::string& what) {
+  for (int layer = 0; layer < l.config.num_layers; ++layer) {
+    if (prefix_records_to(l, layer, slot, p) >= 0) continue;
+    return invalid_argument(what + "position " + str(p) + " is out of reach of slot " +
+                            str(slot) + ": layer " + str(layer) + " is folded to " +
+                            str(l.folded[l.layer_slot(layer, slot)]) + " and the slot is "
+                            "committed to " + str(l.committed[slot]) +
+                            " (a position must lie in [folded, committed] of every layer)");
+  }
+  return Status::ok();
+}
+
+std::string row_tag(const char* op, int b) {
+  return std::string(op) + ": row " + str(b) + ": ";
+}
+
+// A slot id of a row of a host list: -1 (pad) or allocated.
+Status check_row_slot(const StateCache& cache, const char* op, int b, std::int32_t slot) {
+  if (slot == -1) return Status::ok();
+  const Status st = validate_slot(cache, slot);
+  if (st.is_ok()) return st;
+  return invalid_argument(row_tag(op, b) + st.message());
+}
+
+Status check_records(const StateCache& cache, const char* op, const CacheRecords& r,
+                     int max_count) {
+  if (r.count < 0 || r.count > max_count) {
+    return invalid_argument(std::string(op) + ": " + str(r.count) +
+                            " records; a slot holds 0 to " + str(max_count) +
+                            " committed records (buffer_len - 1 + max_spec_tokens)");
+  }
+  if (r.count == 0) return Status::ok();
+  REPLAYSSM_RETURN_IF_ERROR(require(r.vec, op, "records.vec"));
+  REPLAYSSM_RETURN_IF_ERROR(require(r.key, op, "records.key"));
+  REPLAYSSM_RETURN_IF_ERROR(require(r.write, op, "records.write"));
+  REPLAYSSM_RETURN_IF_ERROR(require(r.decay, op, "records.decay"));
+  switch (cache.config().kind) {
+    case LayerKind::kMamba2: return Status::ok();
+    case LayerKind::kGdn: return require(r.key_scale, op, "records.key_scale");
+  }
+  return Status::ok();
+}
+
+Status validate_materialize(const StateCache& cache, const MaterializeArgs& a) {
+  constexpr const char* op = "state_cache_materialize";
+  REPLAYSSM_RETURN_IF_ERROR(require_replay(cache, op));
+  REPLAYSSM_RETURN_IF_ERROR(require_batch(op, a.batch));
+  if (a.batch == 0) return Status::ok();
+  REPLAYSSM_RETURN_IF_ERROR(require(a.slot_ids, op, "slot_ids"));
+  REPLAYSSM_RETURN_IF_ERROR(require(a.positions, op, "positions"));
+  REPLAYSSM_RETURN_IF_ERROR(require(a.states, op, "states"));
+  if (!on_cpu(cache)) return Status::ok();  // device lists: checked by the kernels
+  for (int b = 0; b < a.batch; ++b) {
+    REPLAYSSM_RETURN_IF_ERROR(check_row_slot(cache, op, b, a.slot_ids[b]));
+    if (a.slot_ids[b] == -1) continue;
+    REPLAYSSM_RETURN_IF_ERROR(
+        check_reach(cache.layout(), a.slot_ids[b], a.positions[b], row_tag(op, b)));
+  }
+  return Status::ok();
+}
+
+Status validate_fork(const StateCache& cache, const ForkArgs& a) {
+  constexpr const char* op = "state_cache_fork";
+  REPLAYSSM_RETURN_IF_ERROR(require_replay(cache, op));
+  REPLAYSSM_RETURN_IF_ERROR(require_batch(op, a.batch));
+  if (a.batch == 0) return Status::ok();
+  REPLAYSSM_RETURN_IF_ERROR(require(a.src_slots, op, "src_slots"));
+  REPLAYSSM_RETURN_IF_ERROR(require(a.dst_slots, op, "dst_slots"));
+  REPLAYSSM_RETURN_IF_ERROR(require(a.positions, op, "positions"));
+  if (!on_cpu(cache)) return Status::ok();
+  const auto capacity = std::size_t(cache.config().capacity);
+  std::vector<bool> is_src(capacity, false), is_dst(capacity, false);
+  for (int b = 0; b < a.batch; ++b) {
+    const std::int32_t src = a.src_slots[b], dst = a.dst_slots[b];
+    REPLAYSSM_RETURN_IF_ERROR(check_row_slot(cache, op, b, src));
+    if (src == -1) continue;
+    if (dst == -1) {
+      return invalid_argument(row_tag(op, b) + "dst slot is -1 but src slot " + str(src) +
+                              " is not (a pad row has -1 as its src)");
+    }
+    REPLAYSSM_RETURN_IF_ERROR(check_row_slot(cache, op, b, dst));
+    if (dst == src) return invalid_argument(row_tag(op, b) + "slot " + str(src) + " forked onto itself");
+    REPLAYSSM_RETURN_IF_ERROR(check_reach(cache.layout(), src, a.positions[b], row_tag(op, b)));
+    is_src[std::size_t(src)] = true;
+    if (is_dst[std::size_t(dst)]) {
+      return invalid_argument(row_tag(op, b) + "dst slot " + str(dst) +
+                              " appears twice in one batch");
+    }
+    is_dst[std::size_t(dst)] = true;
+  }
+  for (int b = 0; b < a.batch; ++b) {
+    const std::int32_t dst = a.dst_slots[b];
+    if (a.src_slots[b] != -1 && is_src[std::size_t(dst)]) {
+      return invalid_argument(row_tag(op, b) + "dst slot " + str(dst) +
+                              " is the src of a row of the same batch (fork it in a later call)");
+    }
+  }
+  return Status::ok();
+}
+
+Status validate_truncate(const StateCache& cache, const TruncateArgs& a) {
+  constexpr const char* op = "state_cache_truncate";
+  REPLAYSSM_RETURN_IF_ERROR(require_replay(cache, op));
+  REPLAYSSM_RETURN_IF_ERROR(validate_batch_slots(cache, a.batch, a.slot_ids));
+  if (a.batch == 0) return Status::ok();
+  REPLAYSSM_RETURN_IF_ERROR(require(a.positions, op, "positions"));
+  if (!on_cpu(cache)) return Status::ok();
+  for (int b = 0; b < a.batch; ++b) {
+    if (a.slot_ids[b] == -1) continue;
+    REPLAYSSM_RETURN_IF_ERROR(
+        check_reach(cache.layout(), a.slot_ids[b], a.positions[b], row_tag(op, b)));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status state_cache_materialize(StateCache& cache, const MaterializeArgs& args, Stream stream) {
+  REPLAYSSM_RETURN_IF_ERROR(validate_materialize(cache, args));
+  if (args.batch == 0) return Status::ok();
+  switch (cache.config().device) {
+    case Device::kCpu:
+      cpu::materialize(cache.layout(), args);
+      return Status::ok();
+    case Device::kCuda: return cuda::materialize(cache.layout(), args, stream);
+  }
+  return invalid_argument("unknown device");
+}
+
+Status state_cache_read_records(StateCache& cache, int slot, std::uint32_t first,
+                                const CacheRecords& out, Stream stream) {
+  constexpr const char* op = "state_cache_read_records";
+  REPLAYSSM_RETURN_IF_ERROR(require_replay(cache, op));
+  REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
+  const StateCacheLayout& l = cache.layout();
+  REPLAYSSM_RETURN_IF_ERROR(check_records(cache, op, out, l.max_history()));
+  if (out.count == 0) return Status::ok();
+  HostCursors cursors;
+  REPLAYSSM_RETURN_IF_ERROR(cursors.init(cache, stream));
+  const std::string tag = std::string(op) + ": ";
+  REPLAYSSM_RETURN_IF_ERROR(check_reach(cursors.layout(), slot, first, tag));
+  REPLAYSSM_RETURN_IF_ERROR(
+      check_reach(cursors.layout(), slot, first + std::uint32_t(out.count), tag));
+  switch (l.config.device) {
+    case Device::kCpu:
+      cpu::read_records(l, slot, first, out);
+      return Status::ok();
+    case Device::kCuda: return cuda::read_records(l, slot, first, out, stream);
+  }
+  return invalid_argument("unknown device");
+}
+
+Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream stream) {
+  constexpr const char* op = "state_cache_restore";
+  REPLAYSSM_RETURN_IF_ERROR(require_replay(cache, op));
+  REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, args.slot));
+  REPLAYSSM_RETURN_IF_ERROR(require(args.states, op, "states"));
+  StateCacheLayout& l = cache.layout();
+  REPLAYSSM_RETURN_IF_ERROR(check_records(cache, op, args.records, l.max_history()));
+  HostCursors cursors;
+  REPLAYSSM_RETURN_IF_ERROR(cursors.init(cache, stream));
+  for (int layer = 0; layer < l.config.num_layers; ++layer) {
+    const int pending = cursors.layout().pending[l.layer_slot(layer, args.slot)];
+    if (pending != 0) {
+      return invalid_argument(std::string(op) + ": layer " + str(layer) + " of slot " +
+                              str(args.slot) + " has an uncommitted window of " + str(pending) +
+                              " tokens; commit first");
+    }
+  }
+  switch (l.config.device) {
+    case Device::kCpu:
+      for (int layer = 0; layer < l.config.num_layers; ++layer) {
+        const Status st = validate_finite_state(l, args.states + layer * l.state_elems());
+        if (!st.is_ok()) {
+          return invalid_argument(std::string(op) + ": layer " + str(layer) + ": " +
+                                  st.message());
+        }
+      }
+      cpu::restore(l, args);
+      return Status::ok();
+    case Device::kCuda: return cuda::restore(l, args, stream);
+  }
+  return invalid_argument("unknown device");
+}
+
+Status state_cache_fork(StateCache& cache, const ForkArgs& args, Stream stream) {
+  REPLAYSSM_RETURN_IF_ERROR(validate_fork(cache, args));
+  if (args.batch == 0) return Status::ok();
+  switch (cache.config().device) {
+    case Device::kCpu:
+      cpu::fork(cache.layout(), args);
+      return Status::ok();
+    case Device::kCuda: return cuda::fork(cache.layout(), args, stream);
+  }
+  return invalid_argument("unknown device");
+}
+
+Status state_cache_truncate(StateCache& cache, const TruncateArgs& args, Stream stream) {
+  REPLAYSSM_RETURN_IF_ERROR(validate_truncate(cache, args));
+  if (args.batch == 0) return Status::ok();
+  switch (cache.config().device) {
+    case Device::kCpu:
+      cpu::truncate(cache.layout(), args);
+      return Status::ok();
+    case Device::kCuda: return cuda::truncate(cache.layout(), args, stream);
+  }
+  return invalid_argument("unknown device");
+}
+
+}  // namespace replayssm

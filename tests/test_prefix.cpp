@@ -1,0 +1,878 @@
+// Prefix caching on a replay cache (include/replayssm/prefix.h), both layer kinds, every
+// checkpoint precision:
+//   - materialize at every position of the window equals, bit for bit, what a fold of a copy
+//     of the slot to that position stores, and the float64 oracle's state within the
+//     precision's bound; the cache is not changed;
+//   - a forked slot, a truncated slot and a slot restored from an exact entry decode on bit for
+//     bit as the original did; one restored from an entry inside the window within the
+//     precision's bound of the oracle;
+//   - every refusal leaves every byte as it was.
+// The CUDA cases (names containing "Cuda", label `cuda`, skipped without a GPU) run the same
+// workloads on a CUDA cache against the CPU cache and the oracle, and capture the batched ops
+// in a CUDA graph.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(REPLAYSSM_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+#include "backend.h"
+#include "cache_buffers.h"
+#include "common/numeric.h"
+#include "cpu/reference.h"
+#include "replayssm/prefix.h"
+#include "testing/test_util.h"
+
+namespace replayssm {
+namespace {
+
+using testing::CacheBuffer;
+using testing::Rng;
+
+const Mamba2Shape kM2{4, 8, 16, 2};
+const GdnShape kGdn{2, 4, 16, 8};
+constexpr int kBufferLen = 4;
+constexpr int kLayers = 2;
+
+// ---- the cases -------------------------------------------------------------------------------
+
+struct PrefixCase {
+  LayerKind kind;
+  CheckpointPrecision precision;
+  DType input = DType::kF32;
+  int window = 1;  // T of every decode; T > 1 commits k ~ U{1..T}
+};
+
+std::string case_tag(const PrefixCase& c) {
+  return std::string(c.kind == LayerKind::kMamba2 ? "Mamba2" : "Gdn") + "_" +
+         testing::precision_tag(c.precision) + "_in" + testing::dtype_tag(c.input) +
+         testing::int_tag("_T", c.window);
+}
+std::string case_name(const ::testing::TestParamInfo<PrefixCase>& info) {
+  return case_tag(info.param);
+}
+void PrintTo(const PrefixCase& c, std::ostream* os) { *os << case_tag(c); }
+
+constexpr CheckpointPrecision kPrecisions[] = {
+    CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
+    CheckpointPrecision::kFp32Fp8};
+
+// Every kind × precision with plain decoding (the continuation tests compare bit for bit, so
+// they need one fold schedule), and with `spec` also windows of 3 and bf16 inputs.
+std::vector<PrefixCase> cases(bool spec) {
+  std::vector<PrefixCase> out;
+  for (LayerKind k : {LayerKind::kMamba2, LayerKind::kGdn}) {
+    for (CheckpointPrecision p : kPrecisions) {
+      out.push_back({k, p, DType::kF32, 1});
+      if (spec) out.push_back({k, p, DType::kF32, 3});
+    }
+    if (spec) out.push_back({k, CheckpointPrecision::kFp32Bf16, DType::kBF16, 1});
+  }
+  return out;
+}
+
+StateCacheConfig case_config(const PrefixCase& c, int capacity, Device device = Device::kCpu) {
+  StateCacheConfig cfg;
+  cfg.kind = c.kind;
+  cfg.mamba2 = kM2;
+  cfg.gdn = kGdn;
+  cfg.num_layers = kLayers;
+  cfg.capacity = capacity;
+  cfg.device = device;
+  cfg.input_dtype = c.input;
+  cfg.buffer_len = kBufferLen;
+  cfg.max_spec_tokens = c.window;
+  cfg.checkpoint = c.precision;
+  return cfg;
+}
+
+// Bounds against the float64 oracle (u: the read copy's unit roundoff). States: a fold keeps
+// an fp32 master except in shared bf16, whose rounding accumulates. Outputs read the low copy.
+double state_bound(CheckpointPrecision p) {
+  return p == CheckpointPrecision::kBf16 ? 4.0 / 256 : 1e-5;
+}
+double output_bound(CheckpointPrecision p) {
+  switch (p) {
+    case CheckpointPrecision::kFp32: return 1e-5;
+    case CheckpointPrecision::kBf16: return 4.0 / 256;
+    case CheckpointPrecision::kFp32Bf16: return 2.0 / 256;
+    case CheckpointPrecision::kFp32Fp8: return 2.0 / 16;
+  }
+  return 0.0;
+}
+
+// ---- a workload: sequences of tokens per layer, the oracle's states and outputs --------------
+
+struct Row {
+  int slot;
+  int seq;
+  int first;  // the sequence position of the row's first token
+};
+
+class Workload {
+ public:
+  Workload(const StateCacheConfig& cfg, int sequences, int length, std::uint64_t seed)
+      : cfg_(cfg), length_(length) {
+    Rng rng(seed);
+    const testing::Recipe recipe;
+    const StateDims d = cfg.dims();
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      m2_params_.push_back(testing::make_mamba2_layer(kM2, recipe, rng));
+    }
+    for (int s = 0; s < sequences; ++s) {
+      for (int layer = 0; layer < cfg.num_layers; ++layer) {
+        if (cfg.kind == LayerKind::kMamba2) {
+          m2_.push_back(testing::make_mamba2_tokens(kM2, 1, length, cfg.input_dtype, true,
+                                                    recipe, rng));
+        } else {
+          gdn_.push_back(testing::make_gdn_tokens(kGdn, 1, length, cfg.input_dtype, recipe, rng));
+        }
+        std::vector<float> init(std::size_t(d.state_elems()));
+        for (float& v : init) v = float(rng.normal(0.0, 0.5));
+        initial_.push_back(init);
+        run_oracle(layer);
+      }
+    }
+  }
+
+  int length() const { return length_; }
+  std::size_t state_elems() const { return std::size_t(cfg_.dims().state_elems()); }
+  std::size_t out_per_token() const {
+    return std::size_t(cfg_.dims().heads) * std::size_t(cfg_.dims().rows);
+  }
+  /// The oracle's state of (seq, layer) after its first n tokens, and output of token t.
+  const std::vector<double>& state(int seq, int layer, int n) const {
+    return states_[index(seq, layer)][std::size_t(n)];
+  }
+  const std::vector<double>& output(int seq, int layer, int t) const {
+    return outputs_[index(seq, layer)][std::size_t(t)];
+  }
+
+  /// Loads every layer's initial state of `seq` into `slot` (the prefill hand-off).
+  void load(StateCache& cache, int slot, int seq) const {
+    for (int layer = 0; layer < cfg_.num_layers; ++layer) {
+      const std::vector<float>& s = initial_[index(seq, layer)];
+      CacheBuffer buf = CacheBuffer::from_vector(cfg_.device, s);
+      ASSERT_TRUE(state_cache_load_state(cache, layer, slot, buf.as<const float>()).is_ok());
+    }
+  }
+
+  /// One decode of every layer: row r verifies tokens first..first+T-1 of its sequence in its
+  /// slot. Returns the outputs, [layer][row, T, heads·rows].
+  std::vector<std::vector<float>> decode(StateCache& cache, const std::vector<Row>& rows,
+                                         int T) const {
+    std::vector<std::int32_t> slots;
+    for (const Row& r : rows) slots.push_back(r.slot);
+    std::vector<std::vector<float>> out;
+    for (int layer = 0; layer < cfg_.num_layers; ++layer) {
+      if (cfg_.kind == LayerKind::kMamba2) {
+        testing::Mamba2Tokens t;
+        t.batch = int(rows.size());
+        t.T = T;
+        for (const Row& r : rows) {
+          const testing::Mamba2Tokens& s = m2_[index(r.seq, layer)];
+          append(s.x, r.first, T, &t.x);
+          append(s.dt, r.first, T, &t.dt);
+          append(s.B, r.first, T, &t.B);
+          append(s.C, r.first, T, &t.C);
+          append(s.z, r.first, T, &t.z);
+        }
+        const testing::Mamba2Call call =
+            testing::make_mamba2_call(cache, layer, slots, m2_params_[std::size_t(layer)], t);
+        const Status st = mamba2_decode(cache, call.args);
+        EXPECT_TRUE(st.is_ok()) << st.to_string();
+        out.push_back(call.output());
+      } else {
+        testing::GdnTokens t;
+        t.batch = int(rows.size());
+        t.T = T;
+        for (const Row& r : rows) {
+          const testing::GdnTokens& s = gdn_[index(r.seq, layer)];
+          append(s.q, r.first, T, &t.q);
+          append(s.k, r.first, T, &t.k);
+          append(s.v, r.first, T, &t.v);
+          append(s.g, r.first, T, &t.g);
+          append(s.beta, r.first, T, &t.beta);
+        }
+        const testing::GdnCall call = testing::make_gdn_call(cache, layer, slots, t, true, 0.0f);
+        const Status st = gdn_decode(cache, call.args);
+        EXPECT_TRUE(st.is_ok()) << st.to_string();
+        out.push_back(call.output());
+      }
+    }
+    return out;
+  }
+
+  /// decode() with T = 1 and a commit of the token: the next token of each row.
+  std::vector<std::vector<float>> step(StateCache& cache, const std::vector<Row>& rows) const {
+    auto out = decode(cache, rows, 1);
+    std::vector<std::int32_t> slots, ones;
+    for (const Row& r : rows) {
+      slots.push_back(r.slot);
+      ones.push_back(1);
+    }
+    EXPECT_TRUE(testing::commit(cache, slots, ones).is_ok());
+    return out;
+  }
+
+ private:
+  std::size_t index(int seq, int layer) const {
+    return std::size_t(seq) * std::size_t(cfg_.num_layers) + std::size_t(layer);
+  }
+  // Tokens first..first+T-1 of a [1, length, e] field, appended to `out`.
+  void append(const std::vector<float>& f, int first, int T, std::vector<float>* out) const {
+    if (f.empty()) return;
+    const std::size_t e = f.size() / std::size_t(length_);
+    out->insert(out->end(), f.begin() + std::ptrdiff_t(std::size_t(first) * e),
+                f.begin() + std::ptrdiff_t(std::size_t(first + T) * e));
+  }
+  void run_oracle(int layer) {
+    const StateDims d = cfg_.dims();
+    std::vector<double> S(initial_.back().begin(), initial_.back().end());
+    std::vector<std::vector<double>> states = {S}, outputs;
+    std::vector<double> y(out_per_token());
+    for (int t = 0; t < length_; ++t) {
+      if (cfg_.kind == LayerKind::kMamba2) {
+        const testing::Mamba2Tokens& k = m2_.back();
+        const testing::Mamba2Layer& p = m2_params_[std::size_t(layer)];
+        const std::size_t i = std::size_t(t);
+        reference::mamba2_reference_step(
+            kM2, S.data(), k.x.data() + i * d.heads * d.rows, k.dt.data() + i * d.heads,
+            k.B.data() + i * d.key_heads * d.cols, k.C.data() + i * d.key_heads * d.cols,
+            k.z.data() + i * d.heads * d.rows, p.A.data(), p.D.data(), p.dt_bias.data(),
+            y.data());
+      } else {
+        const testing::GdnTokens& k = gdn_.back();
+        const std::size_t i = std::size_t(t);
+        reference::gdn_reference_step(kGdn, S.data(), k.q.data() + i * d.key_heads * d.cols,
+                                      k.k.data() + i * d.key_heads * d.cols,
+                                      k.v.data() + i * d.heads * d.rows, k.g.data() + i * d.heads,
+                                      k.beta.data() + i * d.heads, true, 0.0f, y.data());
+      }
+      states.push_back(S);
+      outputs.push_back(y);
+    }
+    states_.push_back(std::move(states));
+    outputs_.push_back(std::move(outputs));
+  }
+  StateCacheConfig cfg_;
+  int length_;
+  std::vector<testing::Mamba2Layer> m2_params_;
+  std::vector<testing::Mamba2Tokens> m2_;  // [seq][layer]
+  std::vector<testing::GdnTokens> gdn_;    // [seq][layer]
+  std::vector<std::vector<float>> initial_;
+  std::vector<std::vector<std::vector<double>>> states_, outputs_;  // [seq][layer][n]
+};
+
+// ---- helpers ---------------------------------------------------------------------------------
+
+void claim(StateCache& cache, std::initializer_list<int> slots) {
+  for (int s : slots) EXPECT_TRUE(state_cache_claim_slot(cache, s).is_ok());
+}
+
+// The positions in reach of `slot`: [max over layers of folded, committed].
+std::pair<std::uint32_t, std::uint32_t> reach(const StateCache& cache, int slot) {
+  std::uint32_t lo = 0;
+  for (int layer = 0; layer < cache.config().num_layers; ++layer) {
+    lo = std::max(lo, testing::cursor_folded(cache, layer, slot));
+  }
+  return {lo, testing::cursor_committed(cache, slot)};
+}
+
+// The bytes of one buffer's region of (layer, slot) (or of the slot, for per-slot buffers).
+std::vector<std::uint8_t> region(const StateCache& cache, CacheBufferId id, int layer, int slot) {
+  for (const CacheBufferSpec& s : cache_buffer_specs(cache.config())) {
+    if (s.id != id) continue;
+    const std::int64_t bytes = slot_region_bytes(s);
+    const std::int64_t index = s.slot_axis == 1
+                                   ? std::int64_t{layer} * cache.config().capacity + slot
+                                   : slot;
+    std::vector<std::uint8_t> out(static_cast<std::size_t>(bytes));
+    EXPECT_TRUE(memory_to_host(cache.config().device, out.data(),
+                               static_cast<const char*>(cache.buffer(id)) + index * bytes,
+                               out.size())
+                    .is_ok());
+    return out;
+  }
+  return {};
+}
+
+// What a fold to p stores, by the cache's own ops and none of prefix.h: slot `src` copied into
+// `scratch` through the buffer list (every slot sits at its index of every buffer), its
+// committed cursor set to p, folded, exported (CPU caches).
+std::vector<std::vector<float>> fold_to(StateCache& cache, int src, std::uint32_t p,
+                                        int scratch) {
+  for (const CacheBufferSpec& s : cache_buffer_specs(cache.config())) {
+    if (s.id == CacheBufferId::kAllocated) continue;
+    const std::int64_t bytes = slot_region_bytes(s);
+    for (std::int64_t o = 0; o < slot_region_count(s); ++o) {
+      char* base = static_cast<char*>(cache.buffer(s.id)) + o * cache.config().capacity * bytes;
+      std::memcpy(base + scratch * bytes, base + src * bytes, std::size_t(bytes));
+    }
+  }
+  cache.layout().committed[scratch] = p;
+  EXPECT_TRUE(testing::fold(cache, {scratch}).is_ok());
+  std::vector<std::vector<float>> out(std::size_t(cache.config().num_layers));
+  for (int layer = 0; layer < cache.config().num_layers; ++layer) {
+    EXPECT_TRUE(testing::export_state(cache, layer, scratch, &out[std::size_t(layer)]).is_ok());
+  }
+  return out;
+}
+
+// state_cache_materialize of (slot, position) pairs, the states as host fp32, [pair][layer].
+// The output starts as a sentinel; a pair with slot -1 must leave it.
+constexpr float kSentinel = -1234.5f;
+std::vector<std::vector<std::vector<float>>> materialize(
+    StateCache& cache, const std::vector<std::int32_t>& slots,
+    const std::vector<std::uint32_t>& positions, Status* status = nullptr) {
+  const Device dev = cache.config().device;
+  const std::size_t n = std::size_t(cache.config().dims().state_elems());
+  const std::size_t layers = std::size_t(cache.config().num_layers);
+  std::vector<float> host(slots.size() * layers * n, kSentinel);
+  CacheBuffer s = CacheBuffer::from_vector(dev, slots);
+  CacheBuffer p = CacheBuffer::from_vector(dev, positions);
+  CacheBuffer out = CacheBuffer::from_vector(dev, host);
+  MaterializeArgs a;
+  a.batch = int(slots.size());
+  a.slot_ids = s.as<const std::int32_t>();
+  a.positions = p.as<const std::uint32_t>();
+  a.states = out.as<float>();
+  const Status st = state_cache_materialize(cache, a);
+  if (status != nullptr) {
+    *status = st;
+  } else {
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+  out.download(host.data(), host.size() * 4);
+  std::vector<std::vector<std::vector<float>>> res(slots.size());
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    for (std::size_t l = 0; l < layers; ++l) {
+      const auto at = host.begin() + std::ptrdiff_t((b * layers + l) * n);
+      res[b].emplace_back(at, at + std::ptrdiff_t(n));
+    }
+  }
+  return res;
+}
+
+Status fork(StateCache& cache, const std::vector<std::int32_t>& src,
+            const std::vector<std::int32_t>& dst, const std::vector<std::uint32_t>& positions) {
+  const Device dev = cache.config().device;
+  CacheBuffer s = CacheBuffer::from_vector(dev, src);
+  CacheBuffer d = CacheBuffer::from_vector(dev, dst);
+  CacheBuffer p = CacheBuffer::from_vector(dev, positions);
+  ForkArgs a;
+  a.batch = int(src.size());
+  a.src_slots = s.as<const std::int32_t>();
+  a.dst_slots = d.as<const std::int32_t>();
+  a.positions = p.as<const std::uint32_t>();
+  return state_cache_fork(cache, a);
+}
+
+Status truncate(StateCache& cache, const std::vector<std::int32_t>& slots,
+                const std::vector<std::uint32_t>& positions) {
+  const Device dev = cache.config().device;
+  CacheBuffer s = CacheBuffer::from_vector(dev, slots);
+  CacheBuffer p = CacheBuffer::from_vector(dev, positions);
+  TruncateArgs a;
+  a.batch = int(slots.size());
+  a.slot_ids = s.as<const std::int32_t>();
+  a.positions = p.as<const std::uint32_t>();
+  return state_cache_truncate(cache, a);
+}
+
+// A stored entry in cache memory: every layer's state and `count` records.
+struct Entry {
+  CacheBuffer states, vec, key, key_scale, write, decay;
+  CacheRecords records;
+  std::vector<float> host_states;
+};
+
+Entry make_entry(const StateCache& cache, const std::vector<std::vector<float>>& states,
+                 int count) {
+  const StateCacheConfig& c = cache.config();
+  const StateDims d = c.dims();
+  Entry e;
+  for (const auto& s : states) e.host_states.insert(e.host_states.end(), s.begin(), s.end());
+  e.states = CacheBuffer::from_vector(c.device, e.host_states);
+  const std::size_t n = std::size_t(c.num_layers) * std::size_t(std::max(count, 1));
+  const std::size_t in = dtype_size(c.input_dtype);
+  e.vec = CacheBuffer(c.device, n * std::size_t(d.heads * d.rows) * in);
+  e.key = CacheBuffer(c.device, n * std::size_t(d.key_heads * d.cols) * in);
+  e.key_scale = CacheBuffer(c.device, n * std::size_t(d.key_heads) * 4);
+  e.write = CacheBuffer(c.device, n * std::size_t(d.heads) * 4);
+  e.decay = CacheBuffer(c.device, n * std::size_t(d.heads) * 4);
+  e.records.count = count;
+  e.records.vec = e.vec.get();
+  e.records.key = e.key.get();
+  e.records.key_scale = c.kind == LayerKind::kGdn ? e.key_scale.as<float>() : nullptr;
+  e.records.write = e.write.as<float>();
+  e.records.decay = e.decay.as<float>();
+  return e;
+}
+
+// The entry of `slot` at position p with the records p..committed-1.
+Entry take_entry(StateCache& cache, int slot, std::uint32_t p) {
+  const std::uint32_t committed = testing::cursor_committed(cache, slot);
+  Entry e = make_entry(cache, materialize(cache, {slot}, {p})[0], int(committed - p));
+  const Status st = state_cache_read_records(cache, slot, p, e.records);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return e;
+}
+
+Status restore(StateCache& cache, int slot, std::uint32_t position, const Entry& e) {
+  RestoreArgs a;
+  a.slot = slot;
+  a.position = position;
+  a.states = e.states.as<const float>();
+  a.records = e.records;
+  return state_cache_restore(cache, a);
+}
+
+double rel_to_oracle(const std::vector<float>& v, const std::vector<double>& ref,
+                     std::size_t begin = 0, std::size_t count = 0) {
+  if (count == 0) count = v.size();
+  return testing::rel_error(v.data() + begin, ref.data(), count);
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// A sequence's outputs by position, [layer][position] -> that token's output.
+using Recorded = std::vector<std::vector<std::vector<float>>>;
+
+// Runs sequence `seq` alone through `length` tokens of a fresh slot of `cache`, one token a
+// step, recording every output: what a slot continuing the same sequence must reproduce.
+Recorded record(StateCache& cache, const Workload& w, int slot, int seq) {
+  w.load(cache, slot, seq);
+  Recorded rec(static_cast<std::size_t>(kLayers));
+  for (int t = 0; t < w.length(); ++t) {
+    const auto out = w.step(cache, {{slot, seq, t}});
+    for (int l = 0; l < kLayers; ++l) rec[std::size_t(l)].push_back(out[std::size_t(l)]);
+  }
+  return rec;
+}
+
+// Decodes `rows` on, one token a step, until each reaches the end of its sequence; every output
+// must equal `rec`'s bit for bit (rec[row] records the row's sequence).
+void expect_continues_as(StateCache& cache, const Workload& w, std::vector<Row> rows,
+                         const std::vector<const Recorded*>& rec) {
+  while (true) {
+    std::vector<Row> live;
+    std::vector<std::size_t> which;
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i].first < w.length()) {
+        live.push_back(rows[i]);
+        which.push_back(i);
+      }
+    }
+    if (live.empty()) return;
+    const auto out = w.step(cache, live);
+    const std::size_t per = w.out_per_token();
+    for (std::size_t j = 0; j < live.size(); ++j) {
+      for (int l = 0; l < kLayers; ++l) {
+        const std::vector<float>& o = out[std::size_t(l)];
+        const std::vector<float> got(o.begin() + std::ptrdiff_t(j * per),
+                                     o.begin() + std::ptrdiff_t((j + 1) * per));
+        ASSERT_TRUE(same_bits(got, (*rec[which[j]])[std::size_t(l)][std::size_t(live[j].first)]))
+            << "row " << which[j] << " (slot " << live[j].slot << "), layer " << l
+            << ", position " << live[j].first;
+      }
+      ++rows[which[j]].first;
+    }
+  }
+}
+
+// ---- materialize -----------------------------------------------------------------------------
+
+class Materialize : public ::testing::TestWithParam<PrefixCase> {};
+
+// Two sequences (the second joins 3 steps late) decode 6 fold cycles; after every commit, every
+// position in reach of each is materialized in one batched call with a pad row, and checked
+// against a fold of a copy of the slot to that position and against the oracle.
+TEST_P(Materialize, EveryPositionInReachIsTheFoldToItAndTheOracle) {
+  const PrefixCase& c = GetParam();
+  const int T = c.window, length = 6 * kBufferLen + T;
+  auto cache = testing::create_cache(case_config(c, 5));
+  const Workload w(case_config(c, 5), 2, length + T, 17);
+  const int slot[2] = {3, 1}, scratch = 4;
+  claim(*cache, {3, 1, scratch});
+  w.load(*cache, slot[0], 0);
+  w.load(*cache, slot[1], 1);
+  Rng accept(5);
+  int pos[2] = {0, 0};
+  double worst = 0.0;
+  int checked = 0;
+  for (int step = 0; pos[0] < length - T; ++step) {
+    std::vector<Row> rows = {{slot[0], 0, pos[0]}};
+    if (step >= 3) rows.push_back({slot[1], 1, pos[1]});
+    w.decode(*cache, rows, T);
+    std::vector<std::int32_t> slots, accepted;
+    for (const Row& r : rows) {
+      const int k = T == 1 ? 1 : accept.uniform_int(1, T);
+      slots.push_back(r.slot);
+      accepted.push_back(k);
+      pos[r.seq] += k;
+    }
+    ASSERT_TRUE(testing::commit(*cache, slots, accepted).is_ok());
+
+    std::vector<std::int32_t> pair_slots = {-1};
+    std::vector<std::uint32_t> pair_pos = {0};
+    std::vector<int> pair_seq = {-1};
+    for (int q = 0; q < 2; ++q) {
+      const auto [lo, hi] = reach(*cache, slot[q]);
+      ASSERT_EQ(hi, std::uint32_t(pos[q]));
+      for (std::uint32_t p = lo; p <= hi; ++p) {
+        pair_slots.push_back(slot[q]);
+        pair_pos.push_back(p);
+        pair_seq.push_back(q);
+      }
+    }
+    const testing::CacheBytes before = testing::snapshot(*cache);
+    const auto got = materialize(*cache, pair_slots, pair_pos);
+    ASSERT_EQ(testing::diff(testing::snapshot(*cache), before), "") << "materialize wrote the cache";
+    for (const auto& layer : got[0]) {
+      ASSERT_TRUE(std::all_of(layer.begin(), layer.end(), [](float v) { return v == kSentinel; }))
+          << "the pad row's output was written";
+    }
+    for (std::size_t b = 1; b < pair_slots.size(); ++b) {
+      const auto fold = fold_to(*cache, pair_slots[b], pair_pos[b], scratch);
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<float> m = got[b][std::size_t(l)];
+        // Shared bf16: a fold stores the state rounded into its only copy.
+        if (c.precision == CheckpointPrecision::kBf16) testing::round_all(DType::kBF16, &m);
+        ASSERT_TRUE(same_bits(m, fold[std::size_t(l)]))
+            << "step " << step << ", slot " << pair_slots[b] << ", position " << pair_pos[b]
+            << ", layer " << l << ": not the state a fold to it stores";
+        const double err =
+            rel_to_oracle(got[b][std::size_t(l)], w.state(pair_seq[b], l, int(pair_pos[b])));
+        worst = std::max(worst, err);
+        ASSERT_LE(err, state_bound(c.precision))
+            << "step " << step << ", position " << pair_pos[b] << ", layer " << l;
+      }
+      ++checked;
+    }
+  }
+  // Every position of a window was reached, and the states really moved.
+  EXPECT_GT(checked, 6 * kBufferLen);
+  EXPECT_GT(worst, 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Prefix, Materialize, ::testing::ValuesIn(cases(true)), case_name);
+
+// ---- fork, truncate, restore: decoding on --------------------------------------------------
+
+class Continue : public ::testing::TestWithParam<PrefixCase> {
+ protected:
+  static constexpr int kLength = 5 * kBufferLen;
+  // The source: sequence 0 in slot 0, run to 2L + 2 tokens (folded at 2L, 2 beyond).
+  static constexpr int kSource = 0, kRunTo = 2 * kBufferLen + 2;
+
+  void SetUp() override {
+    const PrefixCase& c = GetParam();
+    cfg_ = case_config(c, 8);
+    work_ = std::make_unique<Workload>(cfg_, 1, kLength, 29);
+    auto ref = testing::create_cache(cfg_);
+    claim(*ref, {5});
+    recorded_ = record(*ref, *work_, 5, 0);
+    cache_ = testing::create_cache(cfg_);
+    claim(*cache_, {kSource});
+    work_->load(*cache_, kSource, 0);
+    for (int t = 0; t < kRunTo; ++t) work_->step(*cache_, {{kSource, 0, t}});
+  }
+
+  StateCacheConfig cfg_;
+  std::unique_ptr<Workload> work_;
+  Recorded recorded_;
+  std::unique_ptr<StateCache> cache_;
+};
+
+// Every position in reach forked at once into its own slot: each copy holds the source's
+// checkpoint and records and decodes on exactly as the source did; the source is untouched.
+TEST_P(Continue, ForkedSlotsDecodeOnAsTheSourceDid) {
+  StateCache& cache = *cache_;
+  const auto [lo, hi] = reach(cache, kSource);
+  ASSERT_EQ(hi - lo, 2u);  // three positions
+  std::vector<std::int32_t> src, dst;
+  std::vector<std::uint32_t> at;
+  std::vector<Row> rows;
+  for (std::uint32_t p = lo; p <= hi; ++p) {
+    const int t = 1 + int(p - lo) * 2;  // slots 1, 3, 5: not adjacent to the source
+    claim(cache, {t});
+    src.push_back(kSource);
+    dst.push_back(t);
+    at.push_back(p);
+    rows.push_back({t, 0, int(p)});
+  }
+  src.push_back(-1);  // a pad row
+  dst.push_back(-1);
+  at.push_back(0);
+  const std::vector<std::uint8_t> source = testing::slot_bytes(cache, kSource);
+  const std::vector<std::uint8_t> pad_slot = testing::slot_bytes(cache, 6);
+  ASSERT_TRUE(fork(cache, src, dst, at).is_ok());
+  EXPECT_EQ(testing::slot_bytes(cache, kSource), source) << "fork wrote its source";
+  EXPECT_EQ(testing::slot_bytes(cache, 6), pad_slot);
+  for (const Row& r : rows) {
+    EXPECT_EQ(testing::cursor_committed(cache, r.slot), std::uint32_t(r.first));
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(testing::cursor_folded(cache, l, r.slot), testing::cursor_folded(cache, l, kSource));
+      for (CacheBufferId id : {CacheBufferId::kCkptHi, CacheBufferId::kCkptLo,
+                               CacheBufferId::kCkptLoScale}) {
+        EXPECT_EQ(region(cache, id, l, r.slot), region(cache, id, l, kSource))
+            << cache_buffer_name(id) << " of layer " << l;
+      }
+    }
+  }
+  expect_continues_as(cache, *work_, rows, {&recorded_, &recorded_, &recorded_});
+}
+
+// The common case of parallel sampling: a fork at the committed end, source and copy decoding
+// the same tokens side by side.
+TEST_P(Continue, ForkAtTheEndDecodesBesideTheSource) {
+  StateCache& cache = *cache_;
+  claim(cache, {7});
+  ASSERT_TRUE(fork(cache, {kSource}, {7}, {std::uint32_t(kRunTo)}).is_ok());
+  expect_continues_as(cache, *work_, {{kSource, 0, kRunTo}, {7, 0, kRunTo}},
+                      {&recorded_, &recorded_});
+}
+
+// Every position in reach: three copies of the source truncated to each in one call decode on
+// exactly as the source did from there.
+TEST_P(Continue, TruncatedSlotsDecodeOnFromThatPosition) {
+  StateCache& cache = *cache_;
+  const auto [lo, hi] = reach(cache, kSource);
+  std::vector<std::int32_t> slots;
+  std::vector<std::uint32_t> at;
+  std::vector<Row> rows;
+  for (std::uint32_t p = lo; p <= hi; ++p) {
+    const int t = 2 + int(p - lo);
+    claim(cache, {t});
+    ASSERT_TRUE(fork(cache, {kSource}, {t}, {hi}).is_ok());
+    slots.push_back(t);
+    at.push_back(p);
+    rows.push_back({t, 0, int(p)});
+  }
+  // Also a slot with an uncommitted window: truncating drops it.
+  work_->decode(cache, {{slots.back(), 0, int(hi)}}, 1);
+  ASSERT_TRUE(truncate(cache, slots, at).is_ok());
+  for (const Row& r : rows) {
+    EXPECT_EQ(testing::cursor_committed(cache, r.slot), std::uint32_t(r.first));
+    EXPECT_EQ(testing::cursor_pending(cache, r.slot), 0);
+  }
+  expect_continues_as(cache, *work_, rows, {&recorded_, &recorded_, &recorded_});
+}
+
+// An entry at the source's last fold with the records after it, restored into a fresh slot
+// at another position: the slot's checkpoint copies are the source's, bit for bit (the fold's
+// rounding), and it decodes on exactly as the source did.
+TEST_P(Continue, RestoredExactEntryDecodesOnAsTheSourceDid) {
+  StateCache& cache = *cache_;
+  const auto [lo, hi] = reach(cache, kSource);
+  const Entry e = take_entry(cache, kSource, lo);
+  ASSERT_EQ(e.records.count, int(hi - lo));
+  claim(cache, {4});
+  work_->load(cache, 4, 0);  // something to overwrite
+  const std::uint32_t at = 1000;  // any position: only differences of positions matter
+  ASSERT_TRUE(restore(cache, 4, at, e).is_ok());
+  EXPECT_EQ(testing::cursor_committed(cache, 4), at + (hi - lo));
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(testing::cursor_folded(cache, l, 4), at);
+    for (CacheBufferId id :
+         {CacheBufferId::kCkptHi, CacheBufferId::kCkptLo, CacheBufferId::kCkptLoScale}) {
+      EXPECT_EQ(region(cache, id, l, 4), region(cache, id, l, kSource))
+          << cache_buffer_name(id) << " of layer " << l;
+    }
+  }
+  // Restored positions are `at`-based; the workload's are the sequence's.
+  const Workload& w = *work_;
+  int t = int(hi);
+  while (t < w.length()) {
+    const auto out = w.decode(cache, {{4, 0, t}}, 1);
+    ASSERT_TRUE(testing::commit(cache, {4}, {1}).is_ok());
+    for (int l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(same_bits(out[std::size_t(l)], recorded_[std::size_t(l)][std::size_t(t)]))
+          << "layer " << l << ", position " << t;
+    }
+    ++t;
+  }
+}
+
+// Entries at every position after the fold, with and without the records after them: the
+// restored slots decode on within the precision's bound of the oracle, and with an fp32
+// checkpoint within fp32 rounding of the source.
+TEST_P(Continue, RestoredEntriesInsideTheWindowDecodeOnWithinTheBound) {
+  StateCache& cache = *cache_;
+  const PrefixCase& c = GetParam();
+  const auto [lo, hi] = reach(cache, kSource);
+  const Workload& w = *work_;
+  for (std::uint32_t p0 = lo + 1; p0 <= hi; ++p0) {
+    for (bool with_records : {true, false}) {
+      SCOPED_TRACE("entry at " + std::to_string(p0) + (with_records ? " + records" : ""));
+      Entry e = take_entry(cache, kSource, p0);
+      if (!with_records) e.records.count = 0;
+      claim(cache, {6});
+      ASSERT_TRUE(restore(cache, 6, p0, e).is_ok());
+      int t = int(p0) + e.records.count;
+      while (t < w.length()) {
+        const auto out = w.decode(cache, {{6, 0, t}}, 1);
+        ASSERT_TRUE(testing::commit(cache, {6}, {1}).is_ok());
+        for (int l = 0; l < kLayers; ++l) {
+          const std::vector<float>& o = out[std::size_t(l)];
+          ASSERT_LE(rel_to_oracle(o, w.output(0, l, t)), output_bound(c.precision))
+              << "layer " << l << ", position " << t;
+          if (c.precision == CheckpointPrecision::kFp32) {
+            ASSERT_LE(testing::max_rel_diff(o, recorded_[std::size_t(l)][std::size_t(t)], 0,
+                                            o.size()),
+                      1e-5);
+          }
+        }
+        ++t;
+      }
+      ASSERT_TRUE(state_cache_free_slot(cache, 6).is_ok());
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Prefix, Continue, ::testing::ValuesIn(cases(false)), case_name);
+
+// ---- refusals --------------------------------------------------------------------------------
+
+class Refuse : public ::testing::TestWithParam<LayerKind> {
+ protected:
+  void SetUp() override {
+    PrefixCase c{GetParam(), CheckpointPrecision::kFp32Fp8};
+    cfg_ = case_config(c, 6);
+    work_ = std::make_unique<Workload>(cfg_, 1, 3 * kBufferLen, 41);
+    cache_ = testing::create_cache(cfg_);
+    claim(*cache_, {0, 2, 3});  // 1, 4, 5 stay free
+    work_->load(*cache_, 0, 0);
+    for (int t = 0; t < kBufferLen + 2; ++t) work_->step(*cache_, {{0, 0, t}});
+    work_->load(*cache_, 2, 0);
+    before_ = testing::snapshot(*cache_);
+  }
+  // The call was refused with kInvalidArgument naming `what`, and no byte changed.
+  void expect_refused(const Status& st, const std::string& what) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
+    EXPECT_EQ(testing::diff(testing::snapshot(*cache_), before_), "") << st.message();
+  }
+
+  StateCacheConfig cfg_;
+  std::unique_ptr<Workload> work_;
+  std::unique_ptr<StateCache> cache_;
+  testing::CacheBytes before_;
+};
+
+TEST_P(Refuse, MaterializeOutOfReachOrUnallocated) {
+  const auto [lo, hi] = reach(*cache_, 0);
+  ASSERT_EQ(lo, std::uint32_t(kBufferLen));
+  for (std::uint32_t bad : {lo - 1, hi + 1, 0u, 0xffffffffu}) {
+    Status st;
+    const auto got = materialize(*cache_, {0, 0}, {hi, bad}, &st);
+    expect_refused(st, "out of reach");
+    EXPECT_EQ(got[0][0][0], kSentinel) << "a refused call wrote a state";
+  }
+  Status st;
+  materialize(*cache_, {0, 1}, {hi, 0}, &st);
+  expect_refused(st, "not allocated");
+  materialize(*cache_, {0, 6}, {hi, 0}, &st);
+  expect_refused(st, "out of range");
+  MaterializeArgs a;
+  a.batch = 1;
+  expect_refused(state_cache_materialize(*cache_, a), "slot_ids is null");
+  a.batch = -1;
+  expect_refused(state_cache_materialize(*cache_, a), "batch");
+}
+
+TEST_P(Refuse, ForkBadPairs) {
+  const auto [lo, hi] = reach(*cache_, 0);
+  expect_refused(fork(*cache_, {0}, {3}, {hi + 1}), "out of reach");
+  expect_refused(fork(*cache_, {0}, {3}, {lo - 1}), "out of reach");
+  expect_refused(fork(*cache_, {0}, {1}, {hi}), "not allocated");
+  expect_refused(fork(*cache_, {1}, {3}, {0}), "not allocated");
+  expect_refused(fork(*cache_, {0}, {0}, {hi}), "onto itself");
+  expect_refused(fork(*cache_, {0, 0}, {3, 3}, {hi, lo}), "appears twice");
+  expect_refused(fork(*cache_, {0, 3}, {3, 2}, {hi, 0}), "is the src of a row");
+  expect_refused(fork(*cache_, {0}, {-1}, {hi}), "dst slot is -1");
+  expect_refused(fork(*cache_, {0}, {9}, {hi}), "out of range");
+}
+
+TEST_P(Refuse, TruncateBadPositions) {
+  const auto [lo, hi] = reach(*cache_, 0);
+  expect_refused(truncate(*cache_, {0}, {hi + 1}), "out of reach");
+  expect_refused(truncate(*cache_, {0}, {lo - 1}), "out of reach");
+  expect_refused(truncate(*cache_, {0, 0}, {lo, lo}), "appears twice");
+  expect_refused(truncate(*cache_, {1}, {0}), "not allocated");
+}
+
+TEST_P(Refuse, ReadRecordsOutsideTheCommittedHistory) {
+  const auto [lo, hi] = reach(*cache_, 0);
+  Entry e = make_entry(*cache_, {}, int(hi - lo));
+  expect_refused(state_cache_read_records(*cache_, 0, lo + 1, e.records), "out of reach");
+  expect_refused(state_cache_read_records(*cache_, 0, lo - 1, e.records), "out of reach");
+  e.records.count = cfg_.buffer_len + cfg_.max_spec_tokens;
+  expect_refused(state_cache_read_records(*cache_, 0, lo, e.records), "records");
+  e.records.count = 1;
+  e.records.decay = nullptr;
+  expect_refused(state_cache_read_records(*cache_, 0, lo, e.records), "records.decay is null");
+  expect_refused(state_cache_read_records(*cache_, 1, lo, e.records), "not allocated");
+}
+
+TEST_P(Refuse, RestoreBadEntries) {
+  const auto [lo, hi] = reach(*cache_, 0);
+  Entry good = take_entry(*cache_, 0, lo);
+  before_ = testing::snapshot(*cache_);
+  {
+    Entry e = take_entry(*cache_, 0, lo);
+    e.host_states[e.host_states.size() - 3] = std::numeric_limits<float>::quiet_NaN();
+    e.states.upload(e.host_states.data(), e.host_states.size() * 4);
+    expect_refused(restore(*cache_, 3, 0, e), "finite");
+  }
+  {
+    Entry e = take_entry(*cache_, 0, lo);
+    e.records.count = cfg_.buffer_len + cfg_.max_spec_tokens;
+    expect_refused(restore(*cache_, 3, 0, e), "records");
+    e.records.count = 1;
+    e.records.vec = nullptr;
+    expect_refused(restore(*cache_, 3, 0, e), "records.vec is null");
+    if (cfg_.kind == LayerKind::kGdn) {
+      e.records.vec = e.vec.get();
+      e.records.key_scale = nullptr;
+      expect_refused(restore(*cache_, 3, 0, e), "records.key_scale is null");
+    }
+  }
+  expect_refused(restore(*cache_, 1, 0, good), "not allocated");
+  // A slot with an uncommitted window.
+  work_->decode(*cache_, {{3, 0, 0}}, 1);
+  before_ = testing::snapshot(*cache_);
+  expect_refused(restore(*cache_, 3, 0, good), "uncommitted window");
+  (void)hi;
+}
+
+TEST_P(Refuse, EagerCaches) {
+  StateCacheConfig c = cfg_;
+  c.mode = DecodeMode::kEager;
+  auto eager = testing::create_cache(c);
+  claim(*eager, {0, 1});
+  Status st;
+  materialize(*eager, {0}, {0}, &st);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
+  EXPECT_EQ(fork(*eager, {0}, {1}, {0}).code(), StatusCode::kUnsupported);
+  EXPECT_EQ(truncate(*eager, {0}, {0}).code(), StatusCode::kUnsupported);
+}
+
+INSTANTIATE_TEST_SUITE_P(Prefix, Refuse, ::testing::Values(LayerKind::kMamba2, LayerKind::kGdn),
+                         [](const ::testing::TestParamInfo<LayerKind>& i) {
+                           return std::string(i.param == LayerKind::kMamba2 ? "Mamba2" : "Gdn");
+                         });
+
+}  // namespace
+}  // namespace replayssm
