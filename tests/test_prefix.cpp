@@ -17,7 +17,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(REPLAYSSM_WITH_CUDA)
@@ -49,6 +52,7 @@ struct PrefixCase {
   CheckpointPrecision precision;
   DType input = DType::kF32;
   int window = 1;  // T of every decode; T > 1 commits k ~ U{1..T}
+  Device device = Device::kCpu;
 };
 
 std::string case_tag(const PrefixCase& c) {
@@ -67,26 +71,26 @@ constexpr CheckpointPrecision kPrecisions[] = {
 
 // Every kind × precision with plain decoding (the continuation tests compare bit for bit, so
 // they need one fold schedule), and with `spec` also windows of 3 and bf16 inputs.
-std::vector<PrefixCase> cases(bool spec) {
+std::vector<PrefixCase> cases(bool spec, Device device = Device::kCpu) {
   std::vector<PrefixCase> out;
   for (LayerKind k : {LayerKind::kMamba2, LayerKind::kGdn}) {
     for (CheckpointPrecision p : kPrecisions) {
-      out.push_back({k, p, DType::kF32, 1});
-      if (spec) out.push_back({k, p, DType::kF32, 3});
+      out.push_back({k, p, DType::kF32, 1, device});
+      if (spec) out.push_back({k, p, DType::kF32, 3, device});
     }
-    if (spec) out.push_back({k, CheckpointPrecision::kFp32Bf16, DType::kBF16, 1});
+    if (spec) out.push_back({k, CheckpointPrecision::kFp32Bf16, DType::kBF16, 1, device});
   }
   return out;
 }
 
-StateCacheConfig case_config(const PrefixCase& c, int capacity, Device device = Device::kCpu) {
+StateCacheConfig case_config(const PrefixCase& c, int capacity) {
   StateCacheConfig cfg;
   cfg.kind = c.kind;
   cfg.mamba2 = kM2;
   cfg.gdn = kGdn;
   cfg.num_layers = kLayers;
   cfg.capacity = capacity;
-  cfg.device = device;
+  cfg.device = c.device;
   cfg.input_dtype = c.input;
   cfg.buffer_len = kBufferLen;
   cfg.max_spec_tokens = c.window;
@@ -160,7 +164,7 @@ class Workload {
   void load(StateCache& cache, int slot, int seq) const {
     for (int layer = 0; layer < cfg_.num_layers; ++layer) {
       const std::vector<float>& s = initial_[index(seq, layer)];
-      CacheBuffer buf = CacheBuffer::from_vector(cfg_.device, s);
+      CacheBuffer buf = CacheBuffer::from_vector(cache.config().device, s);
       ASSERT_TRUE(state_cache_load_state(cache, layer, slot, buf.as<const float>()).is_ok());
     }
   }
@@ -578,6 +582,7 @@ class Continue : public ::testing::TestWithParam<PrefixCase> {
 
   void SetUp() override {
     const PrefixCase& c = GetParam();
+    if (c.device == Device::kCuda && !cuda_available()) GTEST_SKIP() << "no GPU";
     cfg_ = case_config(c, 8);
     work_ = std::make_unique<Workload>(cfg_, 1, kLength, 29);
     auto ref = testing::create_cache(cfg_);
@@ -742,6 +747,11 @@ TEST_P(Continue, RestoredEntriesInsideTheWindowDecodeOnWithinTheBound) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Prefix, Continue, ::testing::ValuesIn(cases(false)), case_name);
+// The same on CUDA caches: forks, truncations and exact restores decode on bit for bit as the
+// CUDA cache did, so a restored CUDA slot also holds the checkpoint bytes its source's folds
+// wrote.
+INSTANTIATE_TEST_SUITE_P(CudaPrefix, Continue, ::testing::ValuesIn(cases(false, Device::kCuda)),
+                         case_name);
 
 // ---- refusals --------------------------------------------------------------------------------
 
@@ -873,6 +883,231 @@ INSTANTIATE_TEST_SUITE_P(Prefix, Refuse, ::testing::Values(LayerKind::kMamba2, L
                          [](const ::testing::TestParamInfo<LayerKind>& i) {
                            return std::string(i.param == LayerKind::kMamba2 ? "Mamba2" : "Gdn");
                          });
+
+// ---- CUDA ------------------------------------------------------------------------------------
+
+class CudaMaterialize : public ::testing::TestWithParam<PrefixCase> {};
+
+// Materialize's workload on a CPU and a CUDA cache side by side (same tokens, slots and
+// accepted counts): after every commit both hold the same cursors, and the CUDA states at
+// every position in reach are within the bound of the oracle and of the CPU's. Rows the kernel
+// must skip or poison ride along: a pad row, a free slot and an id out of range (untouched),
+// a position past the committed end (NaN). The cache is not changed.
+TEST_P(CudaMaterialize, MatchesTheCpuCacheAndTheOracle) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  const PrefixCase& c = GetParam();
+  PrefixCase on_cpu = c;
+  on_cpu.device = Device::kCpu;
+  const int T = c.window, length = 6 * kBufferLen + T;
+  auto gpu = testing::create_cache(case_config(c, 6));
+  auto cpu = testing::create_cache(case_config(on_cpu, 6));
+  const Workload w(case_config(on_cpu, 6), 2, length + T, 17);
+  const int slot[2] = {3, 1}, free_slot = 0;
+  for (StateCache* cache : {gpu.get(), cpu.get()}) {
+    claim(*cache, {3, 1});
+    w.load(*cache, slot[0], 0);
+    w.load(*cache, slot[1], 1);
+  }
+  Rng accept(5);
+  int pos[2] = {0, 0};
+  double worst = 0.0;
+  for (int step = 0; pos[0] < length - T; ++step) {
+    std::vector<Row> rows = {{slot[0], 0, pos[0]}};
+    if (step >= 3) rows.push_back({slot[1], 1, pos[1]});
+    w.decode(*gpu, rows, T);
+    w.decode(*cpu, rows, T);
+    std::vector<std::int32_t> slots, accepted;
+    for (const Row& r : rows) {
+      const int k = T == 1 ? 1 : accept.uniform_int(1, T);
+      slots.push_back(r.slot);
+      accepted.push_back(k);
+      pos[r.seq] += k;
+    }
+    ASSERT_TRUE(testing::commit(*gpu, slots, accepted).is_ok());
+    ASSERT_TRUE(testing::commit(*cpu, slots, accepted).is_ok());
+
+    std::vector<std::int32_t> pair_slots;
+    std::vector<std::uint32_t> pair_pos;
+    std::vector<int> pair_seq;
+    for (int q = 0; q < 2; ++q) {
+      const auto in_reach = reach(*cpu, slot[q]);
+      ASSERT_EQ(reach(*gpu, slot[q]), in_reach);
+      for (std::uint32_t p = in_reach.first; p <= in_reach.second; ++p) {
+        pair_slots.push_back(slot[q]);
+        pair_pos.push_back(p);
+        pair_seq.push_back(q);
+      }
+    }
+    const std::size_t real = pair_slots.size();
+    const auto want = materialize(*cpu, pair_slots, pair_pos);
+    const std::uint32_t past_end = std::uint32_t(pos[0] + 1);
+    for (auto [s, p] : {std::pair<std::int32_t, std::uint32_t>{-1, 0}, {free_slot, 0}, {99, 0},
+                        {slot[0], past_end}}) {
+      pair_slots.push_back(s);
+      pair_pos.push_back(p);
+    }
+    const testing::CacheBytes before = testing::snapshot(*gpu);
+    const auto got = materialize(*gpu, pair_slots, pair_pos);
+    ASSERT_EQ(testing::diff(testing::snapshot(*gpu), before), "") << "materialize wrote the cache";
+    for (std::size_t b = 0; b < real; ++b) {
+      for (int l = 0; l < kLayers; ++l) {
+        const std::vector<float>& g = got[b][std::size_t(l)];
+        const double vs_cpu = testing::max_rel_diff(g, want[b][std::size_t(l)], 0, g.size());
+        const double vs_oracle = rel_to_oracle(g, w.state(pair_seq[b], l, int(pair_pos[b])));
+        worst = std::max(worst, vs_cpu);
+        ASSERT_LE(vs_cpu, 2 * state_bound(c.precision))
+            << "step " << step << ", slot " << pair_slots[b] << ", position " << pair_pos[b]
+            << ", layer " << l;
+        ASSERT_LE(vs_oracle, state_bound(c.precision))
+            << "step " << step << ", slot " << pair_slots[b] << ", position " << pair_pos[b]
+            << ", layer " << l;
+      }
+    }
+    for (std::size_t b = real; b < real + 3; ++b) {
+      for (const auto& layer : got[b]) {
+        ASSERT_TRUE(std::all_of(layer.begin(), layer.end(), [](float v) { return v == kSentinel; }))
+            << "skipped row " << b - real << " was written";
+      }
+    }
+    for (const auto& layer : got[real + 3]) {
+      ASSERT_TRUE(std::all_of(layer.begin(), layer.end(), [](float v) { return std::isnan(v); }))
+          << "a position out of reach did not give NaNs";
+    }
+  }
+  EXPECT_GT(worst, 0.0);  // two backends' arithmetic: a difference, within the bound
+}
+
+INSTANTIATE_TEST_SUITE_P(Prefix, CudaMaterialize, ::testing::ValuesIn(cases(true, Device::kCuda)),
+                         case_name);
+
+// A CUDA cache of either kind, its slot 0 run past a fold (in reach: [L, L + 2]), slot 2 loaded,
+// slot 3 claimed, slots 1, 4, 5 free.
+struct CudaFixture {
+  std::unique_ptr<Workload> work;
+  std::unique_ptr<StateCache> cache;
+  std::uint32_t lo = 0, hi = 0;
+
+  explicit CudaFixture(LayerKind kind) {
+    PrefixCase c{kind, CheckpointPrecision::kFp32Fp8};
+    c.device = Device::kCuda;
+    const StateCacheConfig cfg = case_config(c, 6);
+    work = std::make_unique<Workload>(cfg, 1, 3 * kBufferLen, 41);
+    cache = testing::create_cache(cfg);
+    claim(*cache, {0, 2, 3});
+    work->load(*cache, 0, 0);
+    for (int t = 0; t < kBufferLen + 2; ++t) work->step(*cache, {{0, 0, t}});
+    work->load(*cache, 2, 0);
+    std::tie(lo, hi) = reach(*cache, 0);
+  }
+};
+
+// Bad rows of the device lists are skipped beside good ones; the single-slot ops refuse on the
+// host with nothing changed.
+TEST(CudaPrefixRows, BadRowsAreSkippedAndBadEntriesRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  for (LayerKind kind : {LayerKind::kMamba2, LayerKind::kGdn}) {
+    SCOPED_TRACE(kind == LayerKind::kMamba2 ? "mamba2" : "gdn");
+    CudaFixture f(kind);
+    StateCache& cache = *f.cache;
+    const auto slot1 = testing::slot_bytes(cache, 1), slot2 = testing::slot_bytes(cache, 2);
+    // Fork: 0 -> 3 at lo + 1 is good; past the end, onto itself, onto a free slot, ids out of
+    // range are not.
+    ASSERT_TRUE(fork(cache, {0, 0, 0, 0, 99, 0}, {3, 2, 0, 1, 2, 99},
+                     {f.lo + 1, f.hi + 1, f.hi, f.hi, f.hi, f.hi})
+                    .is_ok());
+    EXPECT_EQ(testing::cursor_committed(cache, 3), f.lo + 1);
+    EXPECT_EQ(testing::slot_bytes(cache, 1), slot1);
+    EXPECT_EQ(testing::slot_bytes(cache, 2), slot2);
+    // Truncate: 3 -> lo is good; 0 past its end or before its fold, a free slot, 99 are not.
+    ASSERT_TRUE(truncate(cache, {3, 0, 0, 1, 99}, {f.lo, f.hi + 1, f.lo - 1, 0, 0}).is_ok());
+    EXPECT_EQ(testing::cursor_committed(cache, 3), f.lo);
+    EXPECT_EQ(testing::cursor_committed(cache, 0), f.hi);
+    EXPECT_EQ(testing::slot_bytes(cache, 1), slot1);
+    // Restore refuses a non-finite entry and a slot with an uncommitted window; read_records
+    // refuses positions out of reach; nothing is written.
+    Entry e = take_entry(cache, 0, f.lo);
+    const testing::CacheBytes before = testing::snapshot(cache);
+    Entry bad = take_entry(cache, 0, f.lo);
+    bad.host_states[5] = std::numeric_limits<float>::infinity();
+    bad.states.upload(bad.host_states.data(), bad.host_states.size() * 4);
+    Status st = restore(cache, 2, 0, bad);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("finite"), std::string::npos) << st.message();
+    st = state_cache_read_records(cache, 0, f.lo + 1, e.records);
+    EXPECT_NE(st.message().find("out of reach"), std::string::npos) << st.to_string();
+    EXPECT_EQ(testing::diff(testing::snapshot(cache), before), "");
+    f.work->decode(cache, {{2, 0, 0}}, 1);
+    const testing::CacheBytes pending = testing::snapshot(cache);
+    st = restore(cache, 2, 0, e);
+    EXPECT_NE(st.message().find("uncommitted window"), std::string::npos) << st.to_string();
+    EXPECT_EQ(testing::diff(testing::snapshot(cache), pending), "");
+  }
+}
+
+#if defined(REPLAYSSM_WITH_CUDA)
+// Materialize, fork and truncate captured on the engine's stream into a CUDA graph and
+// replayed: the same bytes as the same calls made directly on a twin cache.
+TEST(CudaPrefixGraph, CapturedOpsMatchDirectCalls) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  for (LayerKind kind : {LayerKind::kMamba2, LayerKind::kGdn}) {
+    SCOPED_TRACE(kind == LayerKind::kMamba2 ? "mamba2" : "gdn");
+    CudaFixture direct(kind), graphed(kind);
+    const StateCacheConfig& cfg = direct.cache->config();
+    const std::size_t n = std::size_t(cfg.num_layers) * std::size_t(cfg.dims().state_elems());
+    const auto dev = Device::kCuda;
+    CacheBuffer mat_slots = CacheBuffer::from_vector(dev, std::vector<std::int32_t>{0, 0});
+    CacheBuffer mat_pos = CacheBuffer::from_vector(dev, std::vector<std::uint32_t>{direct.lo, direct.hi});
+    CacheBuffer fork_src = CacheBuffer::from_vector(dev, std::vector<std::int32_t>{0});
+    CacheBuffer fork_dst = CacheBuffer::from_vector(dev, std::vector<std::int32_t>{3});
+    CacheBuffer fork_pos = CacheBuffer::from_vector(dev, std::vector<std::uint32_t>{direct.lo + 1});
+    CacheBuffer cut_pos = CacheBuffer::from_vector(dev, std::vector<std::uint32_t>{direct.lo});
+    const auto run = [&](StateCache& cache, float* out, Stream s) -> Status {
+      MaterializeArgs m;
+      m.batch = 2;
+      m.slot_ids = mat_slots.as<const std::int32_t>();
+      m.positions = mat_pos.as<const std::uint32_t>();
+      m.states = out;
+      REPLAYSSM_RETURN_IF_ERROR(state_cache_materialize(cache, m, s));
+      ForkArgs fa;
+      fa.batch = 1;
+      fa.src_slots = fork_src.as<const std::int32_t>();
+      fa.dst_slots = fork_dst.as<const std::int32_t>();
+      fa.positions = fork_pos.as<const std::uint32_t>();
+      REPLAYSSM_RETURN_IF_ERROR(state_cache_fork(cache, fa, s));
+      TruncateArgs ta;
+      ta.batch = 1;
+      ta.slot_ids = fork_src.as<const std::int32_t>();
+      ta.positions = cut_pos.as<const std::uint32_t>();
+      return state_cache_truncate(cache, ta, s);
+    };
+    CacheBuffer out_direct(dev, 2 * n * 4), out_graphed(dev, 2 * n * 4);
+    ASSERT_TRUE(run(*direct.cache, out_direct.as<float>(), kDefaultStream).is_ok());
+
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const Status captured = run(*graphed.cache, out_graphed.as<float>(), stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(captured.is_ok()) << captured.to_string();
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+    EXPECT_EQ(testing::diff(testing::snapshot(*graphed.cache), testing::snapshot(*direct.cache)),
+              "");
+    EXPECT_EQ(out_graphed.bytes(), out_direct.bytes());
+    EXPECT_EQ(testing::cursor_committed(*graphed.cache, 0), graphed.lo);
+    EXPECT_EQ(testing::cursor_committed(*graphed.cache, 3), graphed.lo + 1);
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace replayssm
