@@ -15,12 +15,11 @@ namespace {
 
 std::string str(std::int64_t v) { return std::to_string(v); }
 
-bool on_cpu(const StateCache& cache) { return cache.config().device == Device::kCpu; }
+// A CPU cache's memory (its cursors, the calls' lists and states) is host memory, checked
+// here; a CUDA cache's is device memory, checked by its kernels.
+bool host_memory(const StateCache& cache) { return cache.config().device == Device::kCpu; }
 
-Status require(const void* ptr, const char* op, const char* name) {
-  if (ptr != nullptr) return Status::ok();
-  return invalid_argument(std::string(op) + ": " + name + " is null");
-}
+constexpr auto require = validate_not_null;
 
 Status require_replay(const StateCache& cache, const char* op) {
   if (cache.config().mode == DecodeMode::kReplay) return Status::ok();
@@ -40,7 +39,7 @@ class HostCursors {
  public:
   Status init(const StateCache& cache, Stream stream) {
     layout_ = cache.layout();
-    if (on_cpu(cache)) return Status::ok();
+    if (host_memory(cache)) return Status::ok();
     const auto slots = std::size_t(layout_.config.capacity);
     const auto regions = slots * std::size_t(layout_.config.num_layers);
     committed_.resize(slots);
@@ -118,7 +117,7 @@ Status validate_materialize(const StateCache& cache, const MaterializeArgs& a) {
   REPLAYSSM_RETURN_IF_ERROR(require(a.slot_ids, op, "slot_ids"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.positions, op, "positions"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.states, op, "states"));
-  if (!on_cpu(cache)) return Status::ok();  // device lists: checked by the kernels
+  if (!host_memory(cache)) return Status::ok();  // device lists: checked by the kernels
   for (int b = 0; b < a.batch; ++b) {
     REPLAYSSM_RETURN_IF_ERROR(check_row_slot(cache, op, b, a.slot_ids[b]));
     if (a.slot_ids[b] == -1) continue;
@@ -136,7 +135,7 @@ Status validate_fork(const StateCache& cache, const ForkArgs& a) {
   REPLAYSSM_RETURN_IF_ERROR(require(a.src_slots, op, "src_slots"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.dst_slots, op, "dst_slots"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.positions, op, "positions"));
-  if (!on_cpu(cache)) return Status::ok();
+  if (!host_memory(cache)) return Status::ok();
   const auto capacity = std::size_t(cache.config().capacity);
   std::vector<bool> is_src(capacity, false), is_dst(capacity, false);
   for (int b = 0; b < a.batch; ++b) {
@@ -173,7 +172,7 @@ Status validate_truncate(const StateCache& cache, const TruncateArgs& a) {
   REPLAYSSM_RETURN_IF_ERROR(validate_batch_slots(cache, a.batch, a.slot_ids));
   if (a.batch == 0) return Status::ok();
   REPLAYSSM_RETURN_IF_ERROR(require(a.positions, op, "positions"));
-  if (!on_cpu(cache)) return Status::ok();
+  if (!host_memory(cache)) return Status::ok();
   for (int b = 0; b < a.batch; ++b) {
     if (a.slot_ids[b] == -1) continue;
     REPLAYSSM_RETURN_IF_ERROR(
@@ -182,18 +181,28 @@ Status validate_truncate(const StateCache& cache, const TruncateArgs& a) {
   return Status::ok();
 }
 
+// Runs the op on the cache's backend: `on_cpu()` (which cannot fail once validated) or
+// `on_cuda()`.
+template <typename Cpu, typename Cuda>
+Status on_backend(const StateCache& cache, Cpu on_cpu, Cuda on_cuda) {
+  switch (cache.config().device) {
+    case Device::kCpu:
+      on_cpu();
+      return Status::ok();
+    case Device::kCuda: return on_cuda();
+  }
+  return invalid_argument("unknown device");
+}
+
 }  // namespace
 
 Status state_cache_materialize(StateCache& cache, const MaterializeArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_materialize(cache, args));
   if (args.batch == 0) return Status::ok();
-  switch (cache.config().device) {
-    case Device::kCpu:
-      cpu::materialize(cache.layout(), args);
-      return Status::ok();
-    case Device::kCuda: return cuda::materialize(cache.layout(), args, stream);
-  }
-  return invalid_argument("unknown device");
+  StateCacheLayout& l = cache.layout();
+  return on_backend(
+      cache, [&] { cpu::materialize(l, args); },
+      [&] { return cuda::materialize(l, args, stream); });
 }
 
 Status state_cache_read_records(StateCache& cache, int slot, std::uint32_t first,
@@ -210,13 +219,9 @@ Status state_cache_read_records(StateCache& cache, int slot, std::uint32_t first
   REPLAYSSM_RETURN_IF_ERROR(check_reach(cursors.layout(), slot, first, tag));
   REPLAYSSM_RETURN_IF_ERROR(
       check_reach(cursors.layout(), slot, first + std::uint32_t(out.count), tag));
-  switch (l.config.device) {
-    case Device::kCpu:
-      cpu::read_records(l, slot, first, out);
-      return Status::ok();
-    case Device::kCuda: return cuda::read_records(l, slot, first, out, stream);
-  }
-  return invalid_argument("unknown device");
+  return on_backend(
+      cache, [&] { cpu::read_records(l, slot, first, out); },
+      [&] { return cuda::read_records(l, slot, first, out, stream); });
 }
 
 Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream stream) {
@@ -236,44 +241,32 @@ Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream st
                               " tokens; commit first");
     }
   }
-  switch (l.config.device) {
-    case Device::kCpu:
-      for (int layer = 0; layer < l.config.num_layers; ++layer) {
-        const Status st = validate_finite_state(l, args.states + layer * l.state_elems());
-        if (!st.is_ok()) {
-          return invalid_argument(std::string(op) + ": layer " + str(layer) + ": " +
-                                  st.message());
-        }
+  if (host_memory(cache)) {
+    for (int layer = 0; layer < l.config.num_layers; ++layer) {
+      const Status st = validate_finite_state(l, args.states + layer * l.state_elems());
+      if (!st.is_ok()) {
+        return invalid_argument(std::string(op) + ": layer " + str(layer) + ": " + st.message());
       }
-      cpu::restore(l, args);
-      return Status::ok();
-    case Device::kCuda: return cuda::restore(l, args, stream);
+    }
   }
-  return invalid_argument("unknown device");
+  return on_backend(
+      cache, [&] { cpu::restore(l, args); }, [&] { return cuda::restore(l, args, stream); });
 }
 
 Status state_cache_fork(StateCache& cache, const ForkArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_fork(cache, args));
   if (args.batch == 0) return Status::ok();
-  switch (cache.config().device) {
-    case Device::kCpu:
-      cpu::fork(cache.layout(), args);
-      return Status::ok();
-    case Device::kCuda: return cuda::fork(cache.layout(), args, stream);
-  }
-  return invalid_argument("unknown device");
+  StateCacheLayout& l = cache.layout();
+  return on_backend(
+      cache, [&] { cpu::fork(l, args); }, [&] { return cuda::fork(l, args, stream); });
 }
 
 Status state_cache_truncate(StateCache& cache, const TruncateArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_truncate(cache, args));
   if (args.batch == 0) return Status::ok();
-  switch (cache.config().device) {
-    case Device::kCpu:
-      cpu::truncate(cache.layout(), args);
-      return Status::ok();
-    case Device::kCuda: return cuda::truncate(cache.layout(), args, stream);
-  }
-  return invalid_argument("unknown device");
+  StateCacheLayout& l = cache.layout();
+  return on_backend(
+      cache, [&] { cpu::truncate(l, args); }, [&] { return cuda::truncate(l, args, stream); });
 }
 
 }  // namespace replayssm

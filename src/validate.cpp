@@ -102,6 +102,10 @@ constexpr double kInf = INFINITY;
 
 }  // namespace
 
+Status validate_not_null(const void* ptr, const char* op, const char* name) {
+  return require(ptr, op, name);
+}
+
 Status validate_layer(const StateCache& cache, int layer) {
   if (layer >= 0 && layer < cache.config().num_layers) return Status::ok();
   return invalid_argument("layer " + str(layer) + " out of range [0, " +

@@ -11,6 +11,8 @@
 
 namespace replayssm {
 
+/// kOk for a non-null pointer, else "<op>: <name> is null".
+Status validate_not_null(const void* ptr, const char* op, const char* name);
 Status validate_layer(const StateCache& cache, int layer);
 /// An allocated slot id in [0, capacity).
 Status validate_slot(const StateCache& cache, int slot);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <string>
@@ -176,40 +177,26 @@ class Workload {
     std::vector<std::int32_t> slots;
     for (const Row& r : rows) slots.push_back(r.slot);
     std::vector<std::vector<float>> out;
+    const auto run = [&](const auto& call, const Status& st) {
+      EXPECT_TRUE(st.is_ok()) << st.to_string();
+      out.push_back(call.output());
+    };
+    using testing::GdnTokens;
+    using testing::Mamba2Tokens;
     for (int layer = 0; layer < cfg_.num_layers; ++layer) {
       if (cfg_.kind == LayerKind::kMamba2) {
-        testing::Mamba2Tokens t;
-        t.batch = int(rows.size());
-        t.T = T;
-        for (const Row& r : rows) {
-          const testing::Mamba2Tokens& s = m2_[index(r.seq, layer)];
-          append(s.x, r.first, T, &t.x);
-          append(s.dt, r.first, T, &t.dt);
-          append(s.B, r.first, T, &t.B);
-          append(s.C, r.first, T, &t.C);
-          append(s.z, r.first, T, &t.z);
-        }
-        const testing::Mamba2Call call =
+        const Mamba2Tokens t = gather(m2_, layer, rows, T,
+                                      {&Mamba2Tokens::x, &Mamba2Tokens::dt, &Mamba2Tokens::B,
+                                       &Mamba2Tokens::C, &Mamba2Tokens::z});
+        const auto call =
             testing::make_mamba2_call(cache, layer, slots, m2_params_[std::size_t(layer)], t);
-        const Status st = mamba2_decode(cache, call.args);
-        EXPECT_TRUE(st.is_ok()) << st.to_string();
-        out.push_back(call.output());
+        run(call, mamba2_decode(cache, call.args));
       } else {
-        testing::GdnTokens t;
-        t.batch = int(rows.size());
-        t.T = T;
-        for (const Row& r : rows) {
-          const testing::GdnTokens& s = gdn_[index(r.seq, layer)];
-          append(s.q, r.first, T, &t.q);
-          append(s.k, r.first, T, &t.k);
-          append(s.v, r.first, T, &t.v);
-          append(s.g, r.first, T, &t.g);
-          append(s.beta, r.first, T, &t.beta);
-        }
-        const testing::GdnCall call = testing::make_gdn_call(cache, layer, slots, t, true, 0.0f);
-        const Status st = gdn_decode(cache, call.args);
-        EXPECT_TRUE(st.is_ok()) << st.to_string();
-        out.push_back(call.output());
+        const GdnTokens t = gather(gdn_, layer, rows, T,
+                                   {&GdnTokens::q, &GdnTokens::k, &GdnTokens::v, &GdnTokens::g,
+                                    &GdnTokens::beta});
+        const auto call = testing::make_gdn_call(cache, layer, slots, t, true, 0.0f);
+        run(call, gdn_decode(cache, call.args));
       }
     }
     return out;
@@ -230,6 +217,18 @@ class Workload {
  private:
   std::size_t index(int seq, int layer) const {
     return std::size_t(seq) * std::size_t(cfg_.num_layers) + std::size_t(layer);
+  }
+  // The rows' tokens of one layer as one decode's batch: each field of `fields` gathered.
+  template <typename Tokens>
+  Tokens gather(const std::vector<Tokens>& all, int layer, const std::vector<Row>& rows, int T,
+                std::initializer_list<std::vector<float> Tokens::*> fields) const {
+    Tokens t;
+    t.batch = int(rows.size());
+    t.T = T;
+    for (const Row& r : rows) {
+      for (auto f : fields) append(all[index(r.seq, layer)].*f, r.first, T, &(t.*f));
+    }
+    return t;
   }
   // Tokens first..first+T-1 of a [1, length, e] field, appended to `out`.
   void append(const std::vector<float>& f, int first, int T, std::vector<float>* out) const {
@@ -497,6 +496,65 @@ void expect_continues_as(StateCache& cache, const Workload& w, std::vector<Row> 
 
 // ---- materialize -----------------------------------------------------------------------------
 
+// Two sequences in slots 3 and 1 (the second joining 3 steps late) decode windows of T tokens,
+// committing k ~ U{1..T} (1 for T = 1), for 6 fold cycles, on one cache or several in lockstep.
+class TwoSequences {
+ public:
+  static constexpr int kSlot[2] = {3, 1};
+
+  explicit TwoSequences(const PrefixCase& c)
+      : T_(c.window), length_(6 * kBufferLen + T_), work_(cpu_config(c), 2, length_ + T_, 17) {}
+
+  const Workload& work() const { return work_; }
+  void admit(StateCache& cache) const {
+    claim(cache, {kSlot[0], kSlot[1]});
+    work_.load(cache, kSlot[0], 0);
+    work_.load(cache, kSlot[1], 1);
+  }
+  bool done() const { return pos_[0] >= length_ - T_; }
+  /// One step on every cache: the same windows and accepted counts.
+  void step(std::initializer_list<StateCache*> caches) {
+    std::vector<Row> rows = {{kSlot[0], 0, pos_[0]}};
+    if (steps_++ >= 3) rows.push_back({kSlot[1], 1, pos_[1]});
+    std::vector<std::int32_t> slots, accepted;
+    for (const Row& r : rows) {
+      slots.push_back(r.slot);
+      accepted.push_back(T_ == 1 ? 1 : accept_.uniform_int(1, T_));
+    }
+    for (StateCache* cache : caches) {
+      work_.decode(*cache, rows, T_);
+      EXPECT_TRUE(testing::commit(*cache, slots, accepted).is_ok());
+    }
+    for (std::size_t i = 0; i < rows.size(); ++i) pos_[rows[i].seq] += accepted[i];
+  }
+  /// Every position in reach of both sequences in `cache`, as (slot, position, sequence).
+  void pairs(const StateCache& cache, std::vector<std::int32_t>* slots,
+             std::vector<std::uint32_t>* positions, std::vector<int>* seqs) const {
+    for (int q = 0; q < 2; ++q) {
+      const auto [lo, hi] = reach(cache, kSlot[q]);
+      EXPECT_EQ(hi, std::uint32_t(pos_[q]));
+      for (std::uint32_t p = lo; p <= hi; ++p) {
+        slots->push_back(kSlot[q]);
+        positions->push_back(p);
+        seqs->push_back(q);
+      }
+    }
+  }
+  std::uint32_t position(int seq) const { return std::uint32_t(pos_[seq]); }
+
+ private:
+  static StateCacheConfig cpu_config(PrefixCase c) {
+    c.device = Device::kCpu;
+    return case_config(c, 6);
+  }
+  int T_, length_;
+  Workload work_;
+  Rng accept_{5};
+  int pos_[2] = {0, 0};
+  int steps_ = 0;
+};
+
+
 class Materialize : public ::testing::TestWithParam<PrefixCase> {};
 
 // Two sequences (the second joins 3 steps late) decode 6 fold cycles; after every commit, every
@@ -504,42 +562,20 @@ class Materialize : public ::testing::TestWithParam<PrefixCase> {};
 // against a fold of a copy of the slot to that position and against the oracle.
 TEST_P(Materialize, EveryPositionInReachIsTheFoldToItAndTheOracle) {
   const PrefixCase& c = GetParam();
-  const int T = c.window, length = 6 * kBufferLen + T;
-  auto cache = testing::create_cache(case_config(c, 5));
-  const Workload w(case_config(c, 5), 2, length + T, 17);
-  const int slot[2] = {3, 1}, scratch = 4;
-  claim(*cache, {3, 1, scratch});
-  w.load(*cache, slot[0], 0);
-  w.load(*cache, slot[1], 1);
-  Rng accept(5);
-  int pos[2] = {0, 0};
+  auto cache = testing::create_cache(case_config(c, 6));
+  TwoSequences run(c);
+  const Workload& w = run.work();
+  const int scratch = 4;
+  run.admit(*cache);
+  claim(*cache, {scratch});
   double worst = 0.0;
   int checked = 0;
-  for (int step = 0; pos[0] < length - T; ++step) {
-    std::vector<Row> rows = {{slot[0], 0, pos[0]}};
-    if (step >= 3) rows.push_back({slot[1], 1, pos[1]});
-    w.decode(*cache, rows, T);
-    std::vector<std::int32_t> slots, accepted;
-    for (const Row& r : rows) {
-      const int k = T == 1 ? 1 : accept.uniform_int(1, T);
-      slots.push_back(r.slot);
-      accepted.push_back(k);
-      pos[r.seq] += k;
-    }
-    ASSERT_TRUE(testing::commit(*cache, slots, accepted).is_ok());
-
+  for (int step = 0; !run.done(); ++step) {
+    run.step({cache.get()});
     std::vector<std::int32_t> pair_slots = {-1};
     std::vector<std::uint32_t> pair_pos = {0};
     std::vector<int> pair_seq = {-1};
-    for (int q = 0; q < 2; ++q) {
-      const auto [lo, hi] = reach(*cache, slot[q]);
-      ASSERT_EQ(hi, std::uint32_t(pos[q]));
-      for (std::uint32_t p = lo; p <= hi; ++p) {
-        pair_slots.push_back(slot[q]);
-        pair_pos.push_back(p);
-        pair_seq.push_back(q);
-      }
-    }
+    run.pairs(*cache, &pair_slots, &pair_pos, &pair_seq);
     const testing::CacheBytes before = testing::snapshot(*cache);
     const auto got = materialize(*cache, pair_slots, pair_pos);
     ASSERT_EQ(testing::diff(testing::snapshot(*cache), before), "") << "materialize wrote the cache";
@@ -898,51 +934,27 @@ TEST_P(CudaMaterialize, MatchesTheCpuCacheAndTheOracle) {
   const PrefixCase& c = GetParam();
   PrefixCase on_cpu = c;
   on_cpu.device = Device::kCpu;
-  const int T = c.window, length = 6 * kBufferLen + T;
   auto gpu = testing::create_cache(case_config(c, 6));
   auto cpu = testing::create_cache(case_config(on_cpu, 6));
-  const Workload w(case_config(on_cpu, 6), 2, length + T, 17);
-  const int slot[2] = {3, 1}, free_slot = 0;
-  for (StateCache* cache : {gpu.get(), cpu.get()}) {
-    claim(*cache, {3, 1});
-    w.load(*cache, slot[0], 0);
-    w.load(*cache, slot[1], 1);
-  }
-  Rng accept(5);
-  int pos[2] = {0, 0};
+  TwoSequences run(c);
+  const Workload& w = run.work();
+  const int free_slot = 0;
+  run.admit(*gpu);
+  run.admit(*cpu);
   double worst = 0.0;
-  for (int step = 0; pos[0] < length - T; ++step) {
-    std::vector<Row> rows = {{slot[0], 0, pos[0]}};
-    if (step >= 3) rows.push_back({slot[1], 1, pos[1]});
-    w.decode(*gpu, rows, T);
-    w.decode(*cpu, rows, T);
-    std::vector<std::int32_t> slots, accepted;
-    for (const Row& r : rows) {
-      const int k = T == 1 ? 1 : accept.uniform_int(1, T);
-      slots.push_back(r.slot);
-      accepted.push_back(k);
-      pos[r.seq] += k;
-    }
-    ASSERT_TRUE(testing::commit(*gpu, slots, accepted).is_ok());
-    ASSERT_TRUE(testing::commit(*cpu, slots, accepted).is_ok());
-
-    std::vector<std::int32_t> pair_slots;
-    std::vector<std::uint32_t> pair_pos;
-    std::vector<int> pair_seq;
-    for (int q = 0; q < 2; ++q) {
-      const auto in_reach = reach(*cpu, slot[q]);
-      ASSERT_EQ(reach(*gpu, slot[q]), in_reach);
-      for (std::uint32_t p = in_reach.first; p <= in_reach.second; ++p) {
-        pair_slots.push_back(slot[q]);
-        pair_pos.push_back(p);
-        pair_seq.push_back(q);
-      }
-    }
+  for (int step = 0; !run.done(); ++step) {
+    run.step({gpu.get(), cpu.get()});
+    std::vector<std::int32_t> pair_slots, gpu_slots;
+    std::vector<std::uint32_t> pair_pos, gpu_pos;
+    std::vector<int> pair_seq, gpu_seq;
+    run.pairs(*cpu, &pair_slots, &pair_pos, &pair_seq);
+    run.pairs(*gpu, &gpu_slots, &gpu_pos, &gpu_seq);
+    ASSERT_EQ(gpu_pos, pair_pos) << "the caches' cursors differ";
     const std::size_t real = pair_slots.size();
     const auto want = materialize(*cpu, pair_slots, pair_pos);
-    const std::uint32_t past_end = std::uint32_t(pos[0] + 1);
+    const std::uint32_t past_end = run.position(0) + 1;
     for (auto [s, p] : {std::pair<std::int32_t, std::uint32_t>{-1, 0}, {free_slot, 0}, {99, 0},
-                        {slot[0], past_end}}) {
+                        {TwoSequences::kSlot[0], past_end}}) {
       pair_slots.push_back(s);
       pair_pos.push_back(p);
     }

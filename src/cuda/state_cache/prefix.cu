@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "backend.h"
@@ -427,22 +428,6 @@ __global__ void restore_cursor_kernel(const __grid_constant__ RestoreParams p) {
   }
 }
 
-// A one-flag device allocation for restore's check, freed with it.
-class DeviceFlag {
- public:
-  Status init() {
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, sizeof(unsigned)));
-    return Status::ok();
-  }
-  ~DeviceFlag() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
-  }
-  unsigned* get() const { return ptr_; }
-
- private:
-  unsigned* ptr_ = nullptr;
-};
-
 }  // namespace
 
 Status materialize(const StateCacheLayout& l, const MaterializeArgs& a, Stream s) {
@@ -508,8 +493,9 @@ Status restore(StateCacheLayout& l, const RestoreArgs& a, Stream s) {
   REPLAYSSM_RETURN_IF_ERROR(check_grid(l, 1, "state_cache_restore"));
   const cudaStream_t stream = to_cuda(s);
   // Finite first, with nothing written before the answer is back.
-  DeviceFlag flag;
-  REPLAYSSM_RETURN_IF_ERROR(flag.init());
+  unsigned* flag_ptr = nullptr;
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMalloc(&flag_ptr, sizeof(unsigned)));
+  const std::unique_ptr<unsigned, cudaError_t (*)(void*)> flag(flag_ptr, cudaFree);
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag.get(), 0, sizeof(unsigned), stream));
   const std::int64_t n = std::int64_t{l.config.num_layers} * l.state_elems();
   count_nonfinite_kernel<<<std::clamp(blocks_for(n, kThreads), 1, 4096), kThreads, 0, stream>>>(
