@@ -80,6 +80,8 @@ Status bench_case(const BenchShape& shape, CheckpointPrecision checkpoint,
   for (int s = 0; s < cfg.capacity; ++s) {
     REPLAYSSM_RETURN_IF_ERROR(state_cache_claim_slot(*cache, s));
   }
+  // The claims' resets ran on the default stream, which the bench's stream does not wait for.
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   const StateDims d = cfg.dims();
   const double E = double(d.state_elems());
   const CheckpointTraits t = checkpoint_traits(checkpoint);

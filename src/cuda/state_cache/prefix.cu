@@ -50,12 +50,13 @@ int blocks_for(std::int64_t items, int threads) {
   return static_cast<int>((items + threads - 1) / threads);
 }
 
-// What every launch over (slot, position) rows checks on the host: the grid's y and z axes.
-Status check_grid(const StateCacheLayout& l, int batch, const char* op) {
+// What the launches over (layer, row) grids check on the host: the grid's y and z axes, and
+// for the kernels that hold state rows in registers (`rows_in_registers`) the row width.
+Status check_grid(const StateCacheLayout& l, int batch, const char* op, bool rows_in_registers) {
   if (batch > 65535 || l.config.num_layers > 65535) {
     return unsupported(std::string(op) + " on CUDA takes at most 65535 rows and layers per call");
   }
-  if (l.dims.cols > kMaxCols) {
+  if (rows_in_registers && l.dims.cols > kMaxCols) {
     return unsupported(std::string(op) + " on CUDA takes states of up to " +
                        std::to_string(kMaxCols) + " columns; this cache's have " +
                        std::to_string(l.dims.cols));
@@ -431,7 +432,7 @@ __global__ void restore_cursor_kernel(const __grid_constant__ RestoreParams p) {
 }  // namespace
 
 Status materialize(const StateCacheLayout& l, const MaterializeArgs& a, Stream s) {
-  REPLAYSSM_RETURN_IF_ERROR(check_grid(l, a.batch, "state_cache_materialize"));
+  REPLAYSSM_RETURN_IF_ERROR(check_grid(l, a.batch, "state_cache_materialize", true));
   const cudaStream_t stream = to_cuda(s);
   const MaterializeParams p{l, a.batch, a.slot_ids, a.positions, a.states};
   const dim3 grid(l.dims.heads, l.config.num_layers, a.batch);
@@ -460,7 +461,7 @@ Status materialize(const StateCacheLayout& l, const MaterializeArgs& a, Stream s
 }
 
 Status fork(StateCacheLayout& l, const ForkArgs& a, Stream s) {
-  REPLAYSSM_RETURN_IF_ERROR(check_grid(l, a.batch, "state_cache_fork"));
+  REPLAYSSM_RETURN_IF_ERROR(check_grid(l, a.batch, "state_cache_fork", false));
   const cudaStream_t stream = to_cuda(s);
   const ForkParams p{l, slot_runs(l, SlotPart::kCheckpoint), slot_runs(l, SlotPart::kRing),
                      a.batch, a.src_slots, a.dst_slots, a.positions};
@@ -490,7 +491,7 @@ Status read_records(const StateCacheLayout& l, int slot, std::uint32_t first,
 }
 
 Status restore(StateCacheLayout& l, const RestoreArgs& a, Stream s) {
-  REPLAYSSM_RETURN_IF_ERROR(check_grid(l, 1, "state_cache_restore"));
+  REPLAYSSM_RETURN_IF_ERROR(check_grid(l, 1, "state_cache_restore", true));
   const cudaStream_t stream = to_cuda(s);
   // Finite first, with nothing written before the answer is back.
   unsigned* flag_ptr = nullptr;
