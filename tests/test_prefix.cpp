@@ -54,12 +54,14 @@ struct PrefixCase {
   DType input = DType::kF32;
   int window = 1;  // T of every decode; T > 1 commits k ~ U{1..T}
   Device device = Device::kCpu;
+  int buffer_len = kBufferLen;  // L
 };
 
 std::string case_tag(const PrefixCase& c) {
   return std::string(c.kind == LayerKind::kMamba2 ? "Mamba2" : "Gdn") + "_" +
          testing::precision_tag(c.precision) + "_in" + testing::dtype_tag(c.input) +
-         testing::int_tag("_T", c.window);
+         testing::int_tag("_T", c.window) +
+         (c.buffer_len == kBufferLen ? "" : testing::int_tag("_L", c.buffer_len));
 }
 std::string case_name(const ::testing::TestParamInfo<PrefixCase>& info) {
   return case_tag(info.param);
@@ -80,6 +82,8 @@ std::vector<PrefixCase> cases(bool spec, Device device = Device::kCpu) {
       if (spec) out.push_back({k, p, DType::kF32, 3, device});
     }
     if (spec) out.push_back({k, CheckpointPrecision::kFp32Bf16, DType::kBF16, 1, device});
+    // More records than the CUDA kernel stages at once (32).
+    if (spec) out.push_back({k, CheckpointPrecision::kFp32Bf16, DType::kF32, 1, device, 40});
   }
   return out;
 }
@@ -93,7 +97,7 @@ StateCacheConfig case_config(const PrefixCase& c, int capacity) {
   cfg.capacity = capacity;
   cfg.device = c.device;
   cfg.input_dtype = c.input;
-  cfg.buffer_len = kBufferLen;
+  cfg.buffer_len = c.buffer_len;
   cfg.max_spec_tokens = c.window;
   cfg.checkpoint = c.precision;
   return cfg;
@@ -497,13 +501,16 @@ void expect_continues_as(StateCache& cache, const Workload& w, std::vector<Row> 
 // ---- materialize -----------------------------------------------------------------------------
 
 // Two sequences in slots 3 and 1 (the second joining 3 steps late) decode windows of T tokens,
-// committing k ~ U{1..T} (1 for T = 1), for 6 fold cycles, on one cache or several in lockstep.
+// committing k ~ U{1..T} (1 for T = 1), for 6 fold cycles of kBufferLen (2 of a longer L), on
+// one cache or several in lockstep.
 class TwoSequences {
  public:
   static constexpr int kSlot[2] = {3, 1};
 
   explicit TwoSequences(const PrefixCase& c)
-      : T_(c.window), length_(6 * kBufferLen + T_), work_(cpu_config(c), 2, length_ + T_, 17) {}
+      : T_(c.window),
+        length_(std::max(6 * kBufferLen, 2 * c.buffer_len) + T_),
+        work_(cpu_config(c), 2, length_ + T_, 17) {}
 
   const Workload& work() const { return work_; }
   void admit(StateCache& cache) const {
@@ -529,10 +536,11 @@ class TwoSequences {
   }
   /// Every position in reach of both sequences in `cache`, as (slot, position, sequence).
   void pairs(const StateCache& cache, std::vector<std::int32_t>* slots,
-             std::vector<std::uint32_t>* positions, std::vector<int>* seqs) const {
+             std::vector<std::uint32_t>* positions, std::vector<int>* seqs) {
     for (int q = 0; q < 2; ++q) {
       const auto [lo, hi] = reach(cache, kSlot[q]);
       EXPECT_EQ(hi, std::uint32_t(pos_[q]));
+      max_records_ = std::max(max_records_, int(hi - lo));
       for (std::uint32_t p = lo; p <= hi; ++p) {
         slots->push_back(kSlot[q]);
         positions->push_back(p);
@@ -541,6 +549,8 @@ class TwoSequences {
     }
   }
   std::uint32_t position(int seq) const { return std::uint32_t(pos_[seq]); }
+  /// The most records between a fold and a position that pairs() listed.
+  int max_records() const { return max_records_; }
 
  private:
   static StateCacheConfig cpu_config(PrefixCase c) {
@@ -552,6 +562,7 @@ class TwoSequences {
   Rng accept_{5};
   int pos_[2] = {0, 0};
   int steps_ = 0;
+  int max_records_ = 0;
 };
 
 
@@ -603,6 +614,9 @@ TEST_P(Materialize, EveryPositionInReachIsTheFoldToItAndTheOracle) {
   }
   // Every position of a window was reached, and the states really moved.
   EXPECT_GT(checked, 6 * kBufferLen);
+  if (c.buffer_len > 32) {
+    EXPECT_GT(run.max_records(), 32) << "no position needed two chunks of the CUDA kernel";
+  }
   EXPECT_GT(worst, 0.0);
 }
 
@@ -987,6 +1001,9 @@ TEST_P(CudaMaterialize, MatchesTheCpuCacheAndTheOracle) {
     }
   }
   EXPECT_GT(worst, 0.0);  // two backends' arithmetic: a difference, within the bound
+  if (c.buffer_len > 32) {
+    EXPECT_GT(run.max_records(), 32) << "the kernel staged one chunk only";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Prefix, CudaMaterialize, ::testing::ValuesIn(cases(true, Device::kCuda)),

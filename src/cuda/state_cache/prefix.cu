@@ -1,9 +1,10 @@
 // The prefix ops on a CUDA cache (include/replayssm/prefix.h, src/prefix_backend.h).
 //
-//   materialize   one block per (head, layer, pair), one warp per state row: the row of the
-//                 checkpoint's master copy in registers, the records folded..p-1 applied in
-//                 order (their keys staged in shared memory, 32 records at a time), the fp32
-//                 row written out: one read of the master and of the records, one state write.
+//   materialize   one block per (head, layer, pair), a warp per pair of state rows: the rows of
+//                 the checkpoint's master copy in registers, the records folded..p-1 applied in
+//                 order (their keys and this head's inputs staged in shared memory, 32 records
+//                 at a time), the fp32 rows written out: one read of the master and of the
+//                 records, one state write.
 //   fork          the checkpoint copies of every layer, the records folded..p-1, then the
 //                 cursors (a launch of their own, after every copy has read the source's).
 //   truncate      a cursor move per row.
@@ -93,10 +94,19 @@ struct MaterializeParams {
   float* states;
 };
 
-// Shared memory of a materialize block: the staged records' keys [kRecordChunk][cols] (fp32,
-// GDN's normalised) and two per-record factors (Mamba-2: the fold weight s_j and unused;
-// GDN: α_j = e^{g_j} and β_j).
-int materialize_smem(int cols) { return (kRecordChunk * cols + 2 * kRecordChunk) * 4; }
+/// Rows a warp works on at once: their dependent chains (GDN's reductions) interleave, and
+/// the next ones' loads are issued before the current ones' records are applied. One row per
+/// warp, loaded when needed, left the kernel latency-bound: at 15 records it ran at 65%
+/// (Mamba-2) and 34% (GDN) of copy bandwidth on the H200, against 90% with none.
+constexpr int kRowsPerWarp = 2;
+
+// Shared memory of a materialize block, fp32: the staged records' keys [kRecordChunk][cols]
+// (GDN's normalised) and input rows [kRecordChunk][rows] (Mamba-2 x, GDN v of this head), and
+// two per-record factors (Mamba-2: the fold weight s_j; GDN: α_j = e^{g_j} and β_j).
+int materialize_smem(const StateDims& d) {
+  return (kRecordChunk * (d.cols + d.rows) + 2 * kRecordChunk) * 4;
+}
+constexpr int kMaxMaterializeSmem = 48 * 1024;  // no opt-in: every target shape needs < 34 KB
 
 template <LayerKind kKind, typename input_t, typename master_t>
 __global__ void __launch_bounds__(kThreads)
@@ -124,18 +134,19 @@ __global__ void __launch_bounds__(kThreads)
                        (ls * d.heads + h) * std::int64_t{d.rows} * d.cols;
   extern __shared__ float smem[];
   float* keys = smem;
-  float* factor_a = keys + kRecordChunk * d.cols;
+  float* vals = keys + kRecordChunk * d.cols;
+  float* factor_a = vals + kRecordChunk * d.rows;
   float* factor_b = factor_a + kRecordChunk;
-  const auto record = [&](int j) { return l.ring_record(layer, slot, first + std::uint32_t(j)); };
-
-  // Mamba-2's decays from fp32 prefix sums of A·Δ in record order, as the CPU fold sums them:
-  // every lane of warp 0 runs the same serial sum over the records loaded 32 at a time, so
-  // the order is the CPU's and the loads are not a chain.
   __shared__ float total_shared;
-  const auto serial_sum = [&](int upto, int mine, float* at_mine) {
-    float acc = 0.0f;
-    for (int j0 = 0; j0 < upto; j0 += 32) {
-      const float v = j0 + lane < upto ? l.ring_decay[record(j0 + lane) * d.heads + h] : 0.0f;
+  const auto record = [&](int j) { return l.ring_record(layer, slot, first + std::uint32_t(j)); };
+  const auto decay = [&](int j) { return l.ring_decay[record(j) * d.heads + h]; };
+
+  // Mamba-2's decays come from fp32 prefix sums of A·Δ in record order, as the CPU fold sums
+  // them: every lane of warp 0 runs the same serial sum over values loaded 32 at a time.
+  // `*mine` gets the sum through record `mine`.
+  const auto serial_sum = [&](int from, int upto, float acc, int mine, float* at_mine) {
+    for (int j0 = from; j0 < upto; j0 += 32) {
+      const float v = j0 + lane < upto ? decay(j0 + lane) : 0.0f;
       const int n = min(32, upto - j0);
       for (int i = 0; i < n; ++i) {
         acc += __shfl_sync(kFullMask, v, i);
@@ -144,13 +155,16 @@ __global__ void __launch_bounds__(kThreads)
     }
     return acc;
   };
+  const int chunks = (count + kRecordChunk - 1) / kRecordChunk;
+  // Warp 0's lanes: the sum of all the records' log-decays, when more than one chunk needs it
+  // before the first chunk's weights (only past 32 records, i.e. buffer_len >= 33).
+  float total_all = 0.0f;
   if constexpr (kKind == LayerKind::kMamba2) {
-    if (warp == 0) {
+    if (chunks > 1 && warp == 0) {
       float unused = 0.0f;
-      const float total = serial_sum(count, -1, &unused);
-      if (lane == 0) total_shared = total;
+      total_all = serial_sum(0, count, 0.0f, -1, &unused);
+      if (lane == 0) total_shared = total_all;
     }
-    __syncthreads();
   }
 
   // Records [c0, c0 + n) into shared memory.
@@ -163,89 +177,118 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (kKind == LayerKind::kGdn) key *= l.ring_key_scale[rec * d.key_heads + key_head];
       keys[j * d.cols + c] = key;
     }
-    if (warp == 0) {
+    for (int e = threadIdx.x; e < n * d.rows; e += kThreads) {
+      const int j = e / d.rows, r = e - j * d.rows;
+      vals[j * d.rows + r] = to_float(static_cast<const input_t*>(
+          l.ring_vec)[record(c0 + j) * l.vec_elems() + std::int64_t{h} * d.rows + r]);
+    }
+    if (warp != 0) return;
+    if constexpr (kKind == LayerKind::kMamba2) {
+      // s_j = Δ_j·exp(total − cum_j), cum_j the prefix sum through record j.
+      float before = 0.0f, cum = 0.0f;
+      if (c0 > 0) before = serial_sum(0, c0, 0.0f, -1, &cum);
+      const float through = serial_sum(c0, c0 + n, before, c0 + lane, &cum);
+      const float total = chunks > 1 ? total_all : through;
+      if (lane == 0 && chunks <= 1) total_shared = through;
+      if (lane < n) factor_a[lane] = l.ring_write[record(c0 + lane) * d.heads + h] * expf(total - cum);
+    } else if (lane < n) {
+      const std::int64_t rec = record(c0 + lane);
+      factor_a[lane] = expf(l.ring_decay[rec * d.heads + h]);
+      factor_b[lane] = l.ring_write[rec * d.heads + h];
+    }
+  };
+
+  // kRowsPerWarp rows of the state, this lane's columns lane + 32·i.
+  using Rows = float[kRowsPerWarp][kMaxPerLane];
+  const auto load_rows = [&](Rows& v, int r0, bool from_master) {
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        const int r = r0 + k, c = lane + 32 * i;
+        const std::int64_t e = std::int64_t{r} * d.cols + c;
+        v[k][i] = r < d.rows && c < d.cols ? (from_master ? to_float(master[e]) : out[e]) : 0.0f;
+      }
+    }
+  };
+  // The chunk's records applied to rows r0.. in record order.
+  const auto apply = [&](Rows& s, int r0, int n) {
+    for (int j = 0; j < n; ++j) {
+      const float* key = keys + j * d.cols;
+      float k_i[kMaxPerLane];
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        const int c = lane + 32 * i;
+        k_i[i] = c < d.cols ? key[c] : 0.0f;
+      }
+      float v[kRowsPerWarp];
+#pragma unroll
+      for (int k = 0; k < kRowsPerWarp; ++k) v[k] = r0 + k < d.rows ? vals[j * d.rows + r0 + k] : 0.0f;
       if constexpr (kKind == LayerKind::kMamba2) {
-        // s_j = Δ_j·exp(total − cum_j), cum_j the prefix sum through record j.
-        float cum = 0.0f;
-        serial_sum(c0 + n, c0 + lane, &cum);
-        if (lane < n) {
-          factor_a[lane] = l.ring_write[record(c0 + lane) * d.heads + h] *
-                           expf(total_shared - cum);
+        // S ← S + (s_j·x_j)·B_jᵀ, the CPU fold's products and sums in its order.
+#pragma unroll
+        for (int k = 0; k < kRowsPerWarp; ++k) {
+          const float coeff = __fmul_rn(factor_a[j], v[k]);
+#pragma unroll
+          for (int i = 0; i < kMaxPerLane; ++i) s[k][i] = __fmaf_rn(coeff, k_i[i], s[k][i]);
         }
-      } else if (lane < n) {
-        const std::int64_t rec = record(c0 + lane);
-        factor_a[lane] = expf(l.ring_decay[rec * d.heads + h]);
-        factor_b[lane] = l.ring_write[rec * d.heads + h];
+      } else {
+        // d = β·(v − α·S·k̂),  S ← α·S + d·k̂ᵀ (ALGORITHM.md §2); the rows' reductions interleave.
+        float dot[kRowsPerWarp];
+#pragma unroll
+        for (int k = 0; k < kRowsPerWarp; ++k) {
+          dot[k] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kMaxPerLane; ++i) dot[k] = __fmaf_rn(s[k][i], k_i[i], dot[k]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) {
+#pragma unroll
+          for (int k = 0; k < kRowsPerWarp; ++k) dot[k] += __shfl_xor_sync(kFullMask, dot[k], o);
+        }
+        const float alpha = factor_a[j], beta = factor_b[j];
+#pragma unroll
+        for (int k = 0; k < kRowsPerWarp; ++k) {
+          const float delta = beta * (v[k] - alpha * dot[k]);
+#pragma unroll
+          for (int i = 0; i < kMaxPerLane; ++i) s[k][i] = __fmaf_rn(alpha, s[k][i], delta * k_i[i]);
+        }
       }
     }
   };
 
-  const int chunks = (count + kRecordChunk - 1) / kRecordChunk;
-  if (chunks == 1) stage(0, count);
-  __syncthreads();
-  for (int r0 = 0; r0 < d.rows; r0 += kWarps) {
-    const int r = r0 + warp;
-    const bool active = r < d.rows;  // the same for a whole warp
-    float s[kMaxPerLane];
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      const int c = lane + 32 * i;
-      s[i] = active && c < d.cols ? to_float(master[std::int64_t{r} * d.cols + c]) : 0.0f;
-    }
+  // Chunk by chunk (one, unless buffer_len >= 33): the rows read from the master on the first
+  // and from `out` (this warp's own writes) after it; each warp's next rows are loaded before
+  // its current ones are worked on.
+  const int stride = kWarps * kRowsPerWarp;
+  for (int ch = 0; ch < max(chunks, 1); ++ch) {
+    const int c0 = ch * kRecordChunk, n = min(kRecordChunk, count - c0);
+    if (ch > 0) __syncthreads();  // every warp is done with the previous chunk
+    if (n > 0) stage(c0, n);
+    __syncthreads();
+    float tau = 1.0f;
     if constexpr (kKind == LayerKind::kMamba2) {
-      const float tau = expf(total_shared);
-#pragma unroll
-      for (int i = 0; i < kMaxPerLane; ++i) s[i] *= tau;
+      if (ch == 0 && count > 0) tau = expf(total_shared);
     }
-    for (int ch = 0; ch < chunks; ++ch) {
-      const int c0 = ch * kRecordChunk, n = min(kRecordChunk, count - c0);
-      if (chunks > 1) {
-        __syncthreads();
-        stage(c0, n);
-        __syncthreads();
+    Rows s, next;
+    int r0 = warp * kRowsPerWarp;
+    load_rows(next, r0, ch == 0);
+    for (; r0 < d.rows; r0 += stride) {
+#pragma unroll
+      for (int k = 0; k < kRowsPerWarp; ++k) {
+#pragma unroll
+        for (int i = 0; i < kMaxPerLane; ++i) s[k][i] = next[k][i] * tau;
       }
-      if (!active) continue;
-      // Lane j holds record c0 + j's input row value (Mamba-2 x, GDN v).
-      const float vec_j =
-          lane < n ? to_float(static_cast<const input_t*>(l.ring_vec)[record(c0 + lane) *
-                                                                          l.vec_elems() +
-                                                                      std::int64_t{h} * d.rows + r])
-                   : 0.0f;
-      for (int j = 0; j < n; ++j) {
-        const float v = __shfl_sync(kFullMask, vec_j, j);
-        const float* key = keys + j * d.cols;
-        if constexpr (kKind == LayerKind::kMamba2) {
-          // S ← S + (s_j·x_j)·B_jᵀ, the CPU fold's products and sums in its order.
-          const float coeff = __fmul_rn(factor_a[j], v);
+      if (r0 + stride < d.rows) load_rows(next, r0 + stride, ch == 0);
+      apply(s, r0, n);
 #pragma unroll
-          for (int i = 0; i < kMaxPerLane; ++i) {
-            const int c = lane + 32 * i;
-            if (c < d.cols) s[i] = __fmaf_rn(coeff, key[c], s[i]);
-          }
-        } else {
-          // d = β·(v − α·S·k̂),  S ← α·S + d·k̂ᵀ (ALGORITHM.md §2).
-          float dot = 0.0f;
+      for (int k = 0; k < kRowsPerWarp; ++k) {
 #pragma unroll
-          for (int i = 0; i < kMaxPerLane; ++i) {
-            const int c = lane + 32 * i;
-            if (c < d.cols) dot = __fmaf_rn(s[i], key[c], dot);
-          }
-          dot = group_sum<32>(dot);
-          const float alpha = factor_a[j];
-          const float delta = factor_b[j] * (v - alpha * dot);
-#pragma unroll
-          for (int i = 0; i < kMaxPerLane; ++i) {
-            const int c = lane + 32 * i;
-            if (c < d.cols) s[i] = __fmaf_rn(alpha, s[i], delta * key[c]);
-          }
+        for (int i = 0; i < kMaxPerLane; ++i) {
+          const int r = r0 + k, c = lane + 32 * i;
+          if (r < d.rows && c < d.cols) out[std::int64_t{r} * d.cols + c] = s[k][i];
         }
       }
-    }
-    if (!active) continue;
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      const int c = lane + 32 * i;
-      if (c < d.cols) out[std::int64_t{r} * d.cols + c] = s[i];
     }
   }
 }
@@ -436,7 +479,13 @@ Status materialize(const StateCacheLayout& l, const MaterializeArgs& a, Stream s
   const cudaStream_t stream = to_cuda(s);
   const MaterializeParams p{l, a.batch, a.slot_ids, a.positions, a.states};
   const dim3 grid(l.dims.heads, l.config.num_layers, a.batch);
-  const int smem = materialize_smem(l.dims.cols);
+  const int smem = materialize_smem(l.dims);
+  if (smem > kMaxMaterializeSmem) {
+    return unsupported("state_cache_materialize on CUDA stages " + std::to_string(kRecordChunk) +
+                       " records of rows + cols = " + std::to_string(l.dims.rows + l.dims.cols) +
+                       " values in shared memory; at most " +
+                       std::to_string(kMaxMaterializeSmem / 4 / kRecordChunk - 2) + " fit");
+  }
   const auto launch = [&](auto kind, auto in, auto master) {
     using input_t = dtype_t<decltype(in)::value>;
     using master_t = std::conditional_t<decltype(master)::value, float, bf16_t>;
