@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "backend.h"
 #include "common/numeric.h"
@@ -198,16 +199,21 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
 
-  // kRowsPerWarp rows of the state, this lane's columns lane + 32·i.
+  // kRowsPerWarp rows of the state, this lane's columns lane + 32·i, from the master (on the
+  // first chunk) or from `out` (this warp's own writes of the chunk before).
   using Rows = float[kRowsPerWarp][kMaxPerLane];
-  const auto load_rows = [&](Rows& v, int r0, bool from_master) {
+  const auto load_rows = [&](Rows& v, int r0, auto from_master) {
 #pragma unroll
     for (int k = 0; k < kRowsPerWarp; ++k) {
 #pragma unroll
       for (int i = 0; i < kMaxPerLane; ++i) {
         const int r = r0 + k, c = lane + 32 * i;
         const std::int64_t e = std::int64_t{r} * d.cols + c;
-        v[k][i] = r < d.rows && c < d.cols ? (from_master ? to_float(master[e]) : out[e]) : 0.0f;
+        if constexpr (decltype(from_master)::value) {
+          v[k][i] = r < d.rows && c < d.cols ? to_float(master[e]) : 0.0f;
+        } else {
+          v[k][i] = r < d.rows && c < d.cols ? out[e] : 0.0f;
+        }
       }
     }
   };
@@ -257,29 +263,18 @@ __global__ void __launch_bounds__(kThreads)
     }
   };
 
-  // Chunk by chunk (one, unless buffer_len >= 33): the rows read from the master on the first
-  // and from `out` (this warp's own writes) after it; each warp's next rows are loaded before
-  // its current ones are worked on.
-  const int stride = kWarps * kRowsPerWarp;
-  for (int ch = 0; ch < max(chunks, 1); ++ch) {
-    const int c0 = ch * kRecordChunk, n = min(kRecordChunk, count - c0);
-    if (ch > 0) __syncthreads();  // every warp is done with the previous chunk
-    if (n > 0) stage(c0, n);
-    __syncthreads();
-    float tau = 1.0f;
-    if constexpr (kKind == LayerKind::kMamba2) {
-      if (ch == 0 && count > 0) tau = expf(total_shared);
-    }
-    Rows s, next;
-    int r0 = warp * kRowsPerWarp;
-    load_rows(next, r0, ch == 0);
-    for (; r0 < d.rows; r0 += stride) {
+  // This warp's rows, `next` holding the first ones' values: each row's records applied, the
+  // row written out, the next rows loaded before the current ones are worked on.
+  const int first_row = warp * kRowsPerWarp, stride = kWarps * kRowsPerWarp;
+  const auto rows_pass = [&](Rows& next, int n, float tau, auto from_master) {
+    for (int r0 = first_row; r0 < d.rows; r0 += stride) {
+      Rows s;
 #pragma unroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
 #pragma unroll
         for (int i = 0; i < kMaxPerLane; ++i) s[k][i] = next[k][i] * tau;
       }
-      if (r0 + stride < d.rows) load_rows(next, r0 + stride, ch == 0);
+      if (r0 + stride < d.rows) load_rows(next, r0 + stride, from_master);
       apply(s, r0, n);
 #pragma unroll
       for (int k = 0; k < kRowsPerWarp; ++k) {
@@ -289,6 +284,27 @@ __global__ void __launch_bounds__(kThreads)
           if (r < d.rows && c < d.cols) out[std::int64_t{r} * d.cols + c] = s[k][i];
         }
       }
+    }
+  };
+
+  // Chunk by chunk (one, unless buffer_len >= 33). The first rows' loads go out before the
+  // staging, whose loads and serial sums they overlap.
+  Rows next;
+  load_rows(next, first_row, std::true_type{});
+  for (int ch = 0; ch < max(chunks, 1); ++ch) {
+    const int c0 = ch * kRecordChunk, n = min(kRecordChunk, count - c0);
+    if (ch > 0) __syncthreads();  // every warp is done with the previous chunk
+    if (n > 0) stage(c0, n);
+    __syncthreads();
+    if (ch == 0) {
+      float tau = 1.0f;
+      if constexpr (kKind == LayerKind::kMamba2) {
+        if (count > 0) tau = expf(total_shared);
+      }
+      rows_pass(next, n, tau, std::true_type{});
+    } else {
+      load_rows(next, first_row, std::false_type{});
+      rows_pass(next, n, 1.0f, std::false_type{});
     }
   }
 }
