@@ -32,7 +32,9 @@
 /// synchronise the stream, as state_cache_load_state does.
 ///
 /// Eager caches hold only the state at their committed end: these ops refuse them
-/// (kUnsupported); an eager slot is forked by copying its rows (state_cache.h, Memory).
+/// (kUnsupported); an eager slot is forked by copying its rows (state_cache.h, Memory). On CUDA,
+/// materialize and restore hold state rows in registers: they take up to 128 state columns
+/// (every target shape's dstate / head_k_dim) and refuse wider ones (kUnsupported).
 
 #include <cstdint>
 
@@ -94,8 +96,8 @@ struct RestoreArgs {
 /// the records go into the ring, and folded = position, committed = position + count. Decoding
 /// from there equals decoding on from the slot the entry was taken from. Refused with nothing
 /// written: a slot not allocated or holding an uncommitted window, a non-finite state, too
-/// many records, a missing record field. Synchronises the stream on CUDA caches (they check
-/// the cursors and the states' finiteness on the device, then read back one flag).
+/// many records, a missing record field. Synchronises the stream on CUDA caches (the cursors,
+/// and a flag a kernel sets for a non-finite state, are read back before anything is written).
 Status state_cache_restore(StateCache& cache, const RestoreArgs& args,
                            Stream stream = kDefaultStream);
 

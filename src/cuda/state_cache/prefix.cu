@@ -97,8 +97,9 @@ struct MaterializeParams {
 
 /// Rows a warp works on at once: their dependent chains (GDN's reductions) interleave, and
 /// the next ones' loads are issued before the current ones' records are applied. One row per
-/// warp, loaded when needed, left the kernel latency-bound: at 15 records it ran at 65%
-/// (Mamba-2) and 34% (GDN) of copy bandwidth on the H200, against 90% with none.
+/// warp, loaded when needed (and record inputs read from L2), took 1253 µs (super120b) and
+/// 2433 µs (qwen35-122b) for 256 pairs at 15 records on the H200, against 1050 and 1769 µs
+/// now (docs/BENCHMARKS.md, Prefix caching).
 constexpr int kRowsPerWarp = 2;
 
 // Shared memory of a materialize block, fp32: the staged records' keys [kRecordChunk][cols]
