@@ -23,14 +23,7 @@ namespace gdn {
 
 namespace {
 
-// The grid's y dimension holds the batch.
-Status check_launch_shape(int batch) {
-  if (batch > 65535) {
-    return unsupported("gdn CUDA decode takes at most 65535 rows per call, got " +
-                       std::to_string(batch));
-  }
-  return Status::ok();
-}
+Status check_launch_shape(int batch) { return check_grid_rows(batch, "gdn CUDA decode"); }
 
 }  // namespace
 
