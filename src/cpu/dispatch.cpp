@@ -15,10 +15,11 @@ namespace replayssm::cpu {
 // types: a variant whose definition drifts from backend.h fails to link.
 #define REPLAYSSM_CPU_DECLARE_ENTRY_POINT(name) decltype(cpu::name) name;
 #define REPLAYSSM_CPU_ENTRY_POINT_ADDRESS(name) &name,
-#define REPLAYSSM_CPU_VARIANT_ENTRY(ns, label, is_runnable)                          \
-  namespace ns {                                                                     \
-  REPLAYSSM_CPU_DISPATCHED(REPLAYSSM_CPU_DECLARE_ENTRY_POINT)                        \
-  constexpr IsaEntryPoints kEntryPoints{REPLAYSSM_CPU_DISPATCHED(REPLAYSSM_CPU_ENTRY_POINT_ADDRESS)}; \
+#define REPLAYSSM_CPU_VARIANT_ENTRY(ns, label, is_runnable)    \
+  namespace ns {                                               \
+  REPLAYSSM_CPU_DISPATCHED(REPLAYSSM_CPU_DECLARE_ENTRY_POINT)  \
+  constexpr IsaEntryPoints kEntryPoints{                       \
+      REPLAYSSM_CPU_DISPATCHED(REPLAYSSM_CPU_ENTRY_POINT_ADDRESS)}; \
   }
 #include "cpu_variants.inc"
 #undef REPLAYSSM_CPU_VARIANT_ENTRY
