@@ -4,6 +4,7 @@
 # One outside it (an inline helper defined before REPLAYSSM_CPU_BEGIN, emitted out of line)
 # runs the baseline target's code inside the variant's loops: move it into the variant's
 # code, or make sure it inlines. NM: the nm tool; OBJECTS: replayssm's objects, "|"-separated.
+cmake_policy(VERSION 3.24)
 string(REPLACE "|" ";" objects "${OBJECTS}")
 set(checked 0)
 foreach(object IN LISTS objects)
@@ -11,19 +12,32 @@ foreach(object IN LISTS objects)
     continue()
   endif()
   set(ns ${CMAKE_MATCH_1})
-  execute_process(COMMAND ${NM} -C --defined-only ${object}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE symbols ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${NM} ${object}: ${err}")
-  endif()
-  string(REPLACE "\n" ";" lines "${symbols}")
-  foreach(line IN LISTS lines)
-    # Global (T) and weak (W) functions: local ones belong to this object alone.
-    if(line MATCHES "^[0-9a-f]+ [TW] (replayssm::.*)$")
-      if(NOT CMAKE_MATCH_1 MATCHES "^replayssm::cpu::${ns}::")
-        message(FATAL_ERROR "${object} defines ${CMAKE_MATCH_1} outside replayssm::cpu::${ns}")
-      endif()
+  string(LENGTH ${ns} ns_length)
+  # Mangled names say where a function lies whatever its return type; the demangled list, in
+  # the same order, names it in the message.
+  foreach(form mangled demangled)
+    set(flags --defined-only)
+    if(form STREQUAL "demangled")
+      list(APPEND flags -C)
     endif()
+    execute_process(COMMAND ${NM} ${flags} ${object}
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE symbols ERROR_VARIABLE err)
+    if(NOT rc EQUAL 0)
+      message(FATAL_ERROR "${NM} ${object}: ${err}")
+    endif()
+    string(REPLACE "\n" ";" ${form} "${symbols}")
+  endforeach()
+  set(i 0)
+  foreach(line IN LISTS mangled)
+    # Global (T) and weak (W) functions in namespace replayssm (_ZN, const or not, 9replayssm);
+    # local ones belong to this object alone.
+    if(line MATCHES "^[0-9a-f]+ [TW] _ZN[KVrO]*9replayssm"
+       AND NOT line MATCHES "^[0-9a-f]+ [TW] _ZN[KVrO]*9replayssm3cpu${ns_length}${ns}")
+      list(GET demangled ${i} name)
+      string(REGEX REPLACE "^[0-9a-f]+ [TW] " "" name "${name}")
+      message(FATAL_ERROR "${object} defines a function outside replayssm::cpu::${ns}: ${name}")
+    endif()
+    math(EXPR i "${i} + 1")
   endforeach()
   math(EXPR checked "${checked} + 1")
 endforeach()
