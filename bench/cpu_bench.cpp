@@ -91,6 +91,23 @@ void measure_bandwidth(double* memcpy_gbps, double* update_gbps, double* read_gb
   (void)sink;
 }
 
+// The CPU cache of one case of the benchmark.
+StateCacheConfig case_config(const BenchShape& shape, const BenchOptions& options,
+                             DecodeMode mode, CheckpointPrecision checkpoint, int capacity) {
+  StateCacheConfig config;
+  config.kind = shape.kind;
+  config.mamba2 = shape.mamba2;
+  config.gdn = shape.gdn;
+  config.capacity = capacity;
+  config.device = Device::kCpu;
+  config.mode = mode;
+  config.input_dtype = options.input_dtype;
+  config.state_dtype = options.eager_state_dtype;
+  config.buffer_len = options.buffer_len;
+  config.checkpoint = checkpoint;
+  return config;
+}
+
 // One step's inputs for the whole batch, in the cache's dtypes ([batch, 1, ...] windows are
 // the trace's [batch, ...] rows of one step).
 struct StepInputs {
@@ -111,18 +128,8 @@ class CaseRunner {
       : shape_(shape), batch_(batch), groups_(groups), options_(options) {}
 
   Status init(DecodeMode mode, CheckpointPrecision checkpoint) {
-    StateCacheConfig config;
-    config.kind = shape_.kind;
-    config.mamba2 = shape_.mamba2;
-    config.gdn = shape_.gdn;
-    config.capacity = batch_ * groups_;
-    config.device = Device::kCpu;
-    config.mode = mode;
-    config.input_dtype = options_.input_dtype;
-    config.state_dtype = options_.eager_state_dtype;
-    config.buffer_len = options_.buffer_len;
-    config.checkpoint = checkpoint;
-    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_));
+    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(
+        case_config(shape_, options_, mode, checkpoint, batch_ * groups_), &cache_));
     group_slots_.assign(static_cast<std::size_t>(groups_), {});
     for (auto& group : group_slots_) {
       for (int b = 0; b < batch_; ++b) {
@@ -278,19 +285,9 @@ int slot_groups(const BenchShape& shape, int batch, const BenchOptions& options,
 // measured on a one-slot cache.
 Status bytes_per_slot(const BenchShape& shape, const BenchOptions& options, DecodeMode mode,
                       CheckpointPrecision checkpoint, std::int64_t* bytes) {
-  StateCacheConfig config;
-  config.kind = shape.kind;
-  config.mamba2 = shape.mamba2;
-  config.gdn = shape.gdn;
-  config.capacity = 1;
-  config.device = Device::kCpu;
-  config.mode = mode;
-  config.input_dtype = options.input_dtype;
-  config.state_dtype = options.eager_state_dtype;
-  config.buffer_len = options.buffer_len;
-  config.checkpoint = checkpoint;
   std::unique_ptr<StateCache> cache;
-  REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache));
+  REPLAYSSM_RETURN_IF_ERROR(
+      state_cache_create(case_config(shape, options, mode, checkpoint, 1), &cache));
   *bytes = cache->bytes();
   return Status::ok();
 }
@@ -415,9 +412,10 @@ std::int64_t last_level_cache_bytes() {
   const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
   for (unsigned cpu = 0; cpu < cpus; ++cpu) {
     for (int i = 0; i < 16; ++i) {
-      const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/cache/index" +
-                              std::to_string(i) + "/";
-      std::ifstream level_file(dir + "level"), size_file(dir + "size"), shared_file(dir + "shared_cpu_list");
+      const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) +
+                              "/cache/index" + std::to_string(i) + "/";
+      std::ifstream level_file(dir + "level"), size_file(dir + "size"),
+          shared_file(dir + "shared_cpu_list");
       int level = 0;
       std::string size, shared;  // "32768K", "0-1"
       if (!(level_file >> level) || !(size_file >> size) || size.empty()) continue;

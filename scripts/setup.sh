@@ -25,6 +25,8 @@ fi
 
 jobs=$(nproc)
 cuda_option=()
-[ -z "${REPLAYSSM_ENABLE_CUDA:-}" ] || cuda_option=(-DREPLAYSSM_ENABLE_CUDA="$REPLAYSSM_ENABLE_CUDA")
+if [ -n "${REPLAYSSM_ENABLE_CUDA:-}" ]; then
+  cuda_option=(-DREPLAYSSM_ENABLE_CUDA="$REPLAYSSM_ENABLE_CUDA")
+fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "${cuda_option[@]}" >/dev/null
 cmake --build build -j"$jobs"

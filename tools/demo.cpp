@@ -203,7 +203,8 @@ Status speed_part(const DemoOptions& o, int batch, Progress& progress, std::FILE
     progress.update(fraction, what);
   };
   BenchReport report;
-  const Status s = o.device == Device::kCpu ? run_cpu_bench(b, &report) : run_cuda_bench(b, &report);
+  const Status s =
+      o.device == Device::kCpu ? run_cpu_bench(b, &report) : run_cuda_bench(b, &report);
   progress.clear();
   REPLAYSSM_RETURN_IF_ERROR(s);
 

@@ -244,7 +244,7 @@ struct BenchArgs {
   std::vector<std::string> shapes = {"nano4b", "qwen35-4b"};
   std::vector<int> batches = {64};
   int buffer_len = 16;
-  std::vector<std::string> checkpoints = {"fp32", "fp32+bf16"};  // plain, and the mode to serve with
+  std::vector<std::string> checkpoints = {"fp32", "fp32+bf16"};  // plain, and the one to serve
   std::string flush = "aligned";
   std::string eager_state = "f32";
   int repetitions = 3;
@@ -288,11 +288,12 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   a.ranges.add(bench->add_option("--buffer-len,-L", a.buffer_len, "Tokens per fold cycle")
                    ->capture_default_str(),
                &a.buffer_len, 1, kMaxBufferLen);
-  a.checkpoint_option =
-      bench->add_option("--checkpoint", a.checkpoints, "Replay checkpoint precisions, comma-separated")
-          ->delimiter(',')
-          ->check(CLI::IsMember(checkpoint_names()))
-          ->capture_default_str();
+  a.checkpoint_option = bench
+                            ->add_option("--checkpoint", a.checkpoints,
+                                         "Replay checkpoint precisions, comma-separated")
+                            ->delimiter(',')
+                            ->check(CLI::IsMember(checkpoint_names()))
+                            ->capture_default_str();
   bench->add_option("--flush", a.flush, "aligned: all rows fold on one step; staggered: spread")
       ->check(CLI::IsMember(keys(kFlushPatterns)))
       ->capture_default_str();

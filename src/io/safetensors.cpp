@@ -154,8 +154,8 @@ Status parse_entry(const std::string& name, const json& value, std::uint64_t dat
   entry->end = offsets[1];
   if (entry->end > data_bytes) {
     return io_error("tensor " + quoted(name) + ": data_offsets " +
-                    excerpt(value["data_offsets"]) + " run past the data (" + std::to_string(data_bytes) +
-                    " bytes; truncated file?)");
+                    excerpt(value["data_offsets"]) + " run past the data (" +
+                    std::to_string(data_bytes) + " bytes; truncated file?)");
   }
   const std::uint64_t expected = numel * safetensors_dtype_size(entry->tensor.dtype);
   if (entry->end - entry->begin != expected) {

@@ -219,8 +219,8 @@ Status load_tensors(const SafetensorsFile& file, const std::vector<TensorSpec<Tr
     if (!known) {
       std::string names;
       for (const auto& spec : specs) names += std::string(names.empty() ? "" : ", ") + spec.name;
-      return invalid_argument("trace has unexpected tensor '" + printable_excerpt(name) + "'; a " + layer +
-                              " trace holds " + names);
+      return invalid_argument("trace has unexpected tensor '" + printable_excerpt(name) +
+                              "'; a " + layer + " trace holds " + names);
     }
   }
   SymbolTable symbols;
