@@ -179,10 +179,17 @@ std::string why_not_faster(const BenchReport& report, const BenchResult& eager,
                       : "the rest of a plain step (ring reads, the outputs' arithmetic) costs "
                         "more than the smaller read saves");
   } else {
+    char little[160] = "";
+    if (floor >= kLittleToGain) {
+      std::snprintf(little, sizeof little,
+                    " (reading its %g-byte copy takes %.2fx the time of eager's update by the "
+                    "bandwidths above, so they have little to gain)",
+                    read_copy_bytes(r.checkpoint), floor);
+    }
     std::snprintf(line, sizeof line,
-                  "its plain steps are %.2fx faster than eager's, but the fold step, once every "
-                  "%d steps, takes %.0f us (%.1f eager steps) and costs that back",
-                  eager.us_per_step / r.us_plain_step, r.buffer_len, r.us_fold_step,
+                  "its plain steps are %.2fx faster than eager's%s, but the fold step, once "
+                  "every %d steps, takes %.0f us (%.1f eager steps) and costs that back",
+                  eager.us_per_step / r.us_plain_step, little, r.buffer_len, r.us_fold_step,
                   r.us_fold_step / eager.us_per_step);
   }
   return line;

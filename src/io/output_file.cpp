@@ -28,17 +28,19 @@ Status io_error(const std::string& what, const std::string& path, int error) {
 int create_temporary(const std::string& path, std::string* temp) {
   const std::filesystem::path target(path);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : ".";
-  const std::string pattern =
-      (dir / ("." + target.filename().string() + ".XXXXXX")).string();
-  std::vector<char> name(pattern.begin(), pattern.end());
-  name.push_back('\0');
-  const int fd = mkstemp(name.data());
+  std::string name = ".";  // appended, not "." + ...: GCC 12 warns (-Wrestrict) on that form
+  name += target.filename().string();
+  name += ".XXXXXX";
+  const std::string pattern = (dir / name).string();
+  std::vector<char> chars(pattern.begin(), pattern.end());
+  chars.push_back('\0');
+  const int fd = mkstemp(chars.data());
   if (fd < 0) return -1;
   // mkstemp creates the file 0600; an output file gets the usual 0666 less the umask.
   const mode_t mask = umask(0);
   umask(mask);
   (void)fchmod(fd, 0666 & ~mask);
-  *temp = name.data();
+  *temp = chars.data();
   return fd;
 }
 
