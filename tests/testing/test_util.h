@@ -1,7 +1,7 @@
 #pragma once
 // The shared test helpers at once, for a test that uses many of them. The helpers, one header
-// per concern (namespace replayssm::testing; family.h, which only the drivers use, is not
-// included here):
+// per concern (namespace replayssm::testing; family.h and family_cases.h are not included here:
+// the drivers and the two family suites include them):
 //   inputs.h         seeded realistic parameters and tokens (Rng, Recipe, make_*_tokens)
 //   dtypes.h         values as the element types store them (round_to, encode, decode)
 //   compare.h        finiteness and the relative error norms tolerances are stated in
@@ -15,6 +15,7 @@
 //   oracle_run.h     the driver: a cache against the float64 oracle over many steps
 //   window_pair.h    the driver: k single steps against one k-token window
 //   cuda_vs_cpu.h    the driver: the CUDA backend against the CPU backend
+//   family_cases.h   the cases both family suites run, with their bodies
 //   names.h          pieces of parameterised test names
 
 #include "testing/cache_bytes.h"
