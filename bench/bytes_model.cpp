@@ -2,11 +2,21 @@
 
 #include <algorithm>
 
+#include "common/checkpoint_traits.h"
+
 namespace replayssm {
 
 double bytes_model_ring_record(const StateDims& d, DType input_dtype) {
   const double act = static_cast<double>(dtype_size(input_dtype));
   return act * (double(d.heads) * d.rows + double(d.key_heads) * d.cols) + 2.0 * 4.0 * d.heads;
+}
+
+int bytes_model_read_copy_elem(DecodeMode mode, DType eager_state, CheckpointPrecision p) {
+  switch (mode) {
+    case DecodeMode::kEager: return static_cast<int>(dtype_size(eager_state));
+    case DecodeMode::kReplay: return checkpoint_traits(p).read_bytes();
+  }
+  return 0;
 }
 
 StepBytes bytes_model_step(const BytesModelCase& c) {
@@ -23,23 +33,18 @@ StepBytes bytes_model_step(const BytesModelCase& c) {
     const int L = std::max(c.buffer_len, 1);
     const int cycle = (L + k - 1) / k;  // steps per fold cycle
     const double folds = 1.0 / cycle;   // folds per step
-    switch (c.checkpoint) {
-      case CheckpointPrecision::kFp32:
-      case CheckpointPrecision::kBf16: {
-        const double s = c.checkpoint == CheckpointPrecision::kFp32 ? 4.0 : 2.0;
-        per_row.state_read = E * s;
-        per_row.state_write = E * s * folds;
-        break;
-      }
-      case CheckpointPrecision::kFp32Bf16:
-      case CheckpointPrecision::kFp32Fp8: {
-        const bool fp8 = c.checkpoint == CheckpointPrecision::kFp32Fp8;
-        const double lo = fp8 ? 1.0 : 2.0;
-        const double scales = fp8 ? rows * 4.0 : 0.0;
-        per_row.state_read = E * lo + scales + E * 4.0 * folds;
-        per_row.state_write = (E * (4.0 + lo) + scales) * folds;
-        break;
-      }
+    const CheckpointTraits t = checkpoint_traits(c.checkpoint);
+    const double read = t.read_bytes();                     // the copy outputs read
+    const double scales = t.lo_row_scale ? rows * 4.0 : 0.0;  // fp8: one scale per row
+    if (t.shared_copy()) {
+      // One copy: every step reads it; a fold rewrites it (the fused fold reads it once).
+      per_row.state_read = E * read;
+      per_row.state_write = E * read * folds;
+    } else {
+      // Master + read copy: steps read the low copy (and its scales); a fold reads and writes
+      // the master and writes the low copy.
+      per_row.state_read = E * read + scales + E * 4.0 * folds;
+      per_row.state_write = (E * (4.0 + read) + scales) * folds;
     }
     const double record = bytes_model_ring_record(c.dims, c.input_dtype);
     per_row.ring_write = record * T;

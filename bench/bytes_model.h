@@ -50,4 +50,8 @@ StepBytes bytes_model_step(const BytesModelCase& c);
 /// Bytes of one ring record (one token of one row).
 double bytes_model_ring_record(const StateDims& dims, DType input_dtype);
 
+/// Bytes per state element of the copy a plain step streams (eager: the state; replay: the
+/// copy outputs read). What the benches size their slot rotation by.
+int bytes_model_read_copy_elem(DecodeMode mode, DType eager_state, CheckpointPrecision p);
+
 }  // namespace replayssm

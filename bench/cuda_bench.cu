@@ -24,9 +24,8 @@
 #include "common/numeric.h"
 #include "cuda/common/check.cuh"
 #include "cuda/common/dispatch.cuh"
-#include "cuda/common/stream.h"
 #include "cuda/common/vec.cuh"
-#include "cuda/mamba2/params.cuh"
+#include "cuda/mamba2/mamba2_params.cuh"
 #include "cuda_bench.h"
 #include "cuda_bench_util.cuh"
 #include "cuda_bench_gdn.h"
@@ -47,7 +46,7 @@ constexpr int kMinRepetitions = 7;
 
 using bench_cuda::DeviceBuffer;
 using bench_cuda::GraphExec;
-using bench_cuda::Stream;
+using bench_cuda::OwnedStream;
 using bench_cuda::time_graph;
 
 // Copy bandwidth: (read + write) bytes per second of a 1 GiB device-to-device cudaMemcpy,
@@ -158,19 +157,20 @@ Status make_inputs(const BenchShape& shape, int batch, int T, DType act, Inputs*
 // step.
 class CaseRunner {
  public:
-  CaseRunner(int batch, int groups, const Inputs& inputs)
-      : batch_(batch), groups_(groups), in_(inputs) {}
+  // Everything the runner does is ordered on `stream`.
+  CaseRunner(int batch, int groups, const Inputs& inputs, cudaStream_t stream)
+      : batch_(batch), groups_(groups), in_(inputs), stream_(stream) {}
 
   Status init(StateCacheConfig config, int window, int accepted) {
     window_ = window;
     config.capacity = batch_ * groups_;
     config.device = Device::kCuda;
-    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_));
+    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_, stream_));
     for (int g = 0; g < groups_; ++g) {
       std::vector<std::int32_t> ids;
       for (int b = 0; b < batch_; ++b) {
         int slot = -1;
-        REPLAYSSM_RETURN_IF_ERROR(state_cache_allocate_slot(*cache_, &slot));
+        REPLAYSSM_RETURN_IF_ERROR(state_cache_allocate_slot(*cache_, &slot, stream_));
         ids.push_back(slot);
       }
       host_ids_.push_back(ids);
@@ -194,16 +194,16 @@ class CaseRunner {
         REPLAYSSM_RETURN_IF_ERROR(buf.upload(ids));
         REPLAYSSM_RETURN_IF_ERROR(step(buf.get<const std::int32_t>(), j % kInputSets));
       }
-      REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cuda::launch_stream()));
+      REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     }
     return Status::ok();
   }
 
   // Captures `steps` steps of every group (groups interleaved step by step) into a graph.
-  Status capture(int steps, cudaStream_t stream, GraphExec* exec) {
-    cuda::ScopedLaunchStream on(stream);
+  Status capture(int steps, GraphExec* exec) {
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     cudaGraph_t graph = nullptr;
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     const Status st = [&]() -> Status {
       for (int s = 0; s < steps; ++s) {
         for (int g = 0; g < groups_; ++g) {
@@ -212,7 +212,7 @@ class CaseRunner {
       }
       return Status::ok();
     }();
-    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
     REPLAYSSM_RETURN_IF_ERROR(st);
     REPLAYSSM_CUDA_RETURN_IF_ERROR(end);
     const cudaError_t inst = cudaGraphInstantiate(&exec->exec, graph, 0);
@@ -235,17 +235,18 @@ class CaseRunner {
     a.D = in_.D.get<const float>();
     a.dt_bias = in_.dt_bias.get<const float>();
     a.y = in_.out.get();
-    REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
+    REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a, stream_));
     CommitArgs c;
     c.batch = batch_;
     c.slot_ids = ids;
     c.accepted = accepted_.get<const std::int32_t>();
-    return state_cache_commit(*cache_, c);
+    return state_cache_commit(*cache_, c, stream_);
   }
 
   int batch_, groups_;
   int window_ = 1;
   const Inputs& in_;
+  cudaStream_t stream_;
   std::unique_ptr<StateCache> cache_;
   std::vector<std::vector<std::int32_t>> host_ids_;
   std::vector<DeviceBuffer> ids_;
@@ -256,12 +257,7 @@ class CaseRunner {
 double read_bytes_per_row(const BenchShape& shape, DecodeMode mode, CheckpointPrecision p,
                           DType eager_state) {
   const double E = double(shape.dims().state_elems());
-  if (mode == DecodeMode::kEager) return E * double(dtype_size(eager_state));
-  switch (p) {
-    case CheckpointPrecision::kFp32: return 4.0 * E;
-    case CheckpointPrecision::kFp32Fp8: return E;
-    default: return 2.0 * E;
-  }
+  return E * bytes_model_read_copy_elem(mode, eager_state, p);
 }
 
 int slot_groups(double bytes_per_row, int batch, std::int64_t min_state_bytes) {
@@ -293,7 +289,9 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   config.buffer_len = o.buffer_len;
   config.max_spec_tokens = cs.window;
   config.checkpoint = cs.checkpoint;
-  CaseRunner runner(batch, groups, inputs);
+  OwnedStream stream;
+  REPLAYSSM_RETURN_IF_ERROR(stream.create());
+  CaseRunner runner(batch, groups, inputs, stream.s);
   REPLAYSSM_RETURN_IF_ERROR(runner.init(config, cs.window, cs.accepted));
   if (o.flush == FlushPattern::kStaggered && cs.mode == DecodeMode::kReplay) {
     REPLAYSSM_RETURN_IF_ERROR(runner.stagger(o.buffer_len));
@@ -302,10 +300,8 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   const int steps = cs.mode == DecodeMode::kReplay
                         ? (o.buffer_len + cs.accepted - 1) / cs.accepted
                         : o.buffer_len;
-  Stream stream;
-  REPLAYSSM_RETURN_IF_ERROR(stream.create());
   GraphExec exec;
-  REPLAYSSM_RETURN_IF_ERROR(runner.capture(steps, stream.s, &exec));
+  REPLAYSSM_RETURN_IF_ERROR(runner.capture(steps, &exec));
   std::vector<double> us;
   REPLAYSSM_RETURN_IF_ERROR(time_graph(exec, stream.s, std::max(o.warmup_cycles, 1),
                                        std::max(o.repetitions, kMinRepetitions), &us));
@@ -454,7 +450,7 @@ Status time_eager_spec(const BenchShape& shape, int batch, int T, const BenchOpt
     REPLAYSSM_RETURN_IF_ERROR(s.alloc(std::size_t(row_bytes) * batch));
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemset(s.get(), 0, std::size_t(row_bytes) * batch));
   }
-  Stream stream;
+  OwnedStream stream;
   REPLAYSSM_RETURN_IF_ERROR(stream.create());
   cudaGraph_t graph = nullptr;
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeThreadLocal));

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "bytes_model.h"
-#include "cuda/common/stream.h"
 #include "cuda_bench_gdn.h"
 #include "cuda_bench_util.cuh"
 #include "cuda/common/check.cuh"
@@ -29,7 +28,7 @@ namespace {
 
 using bench_cuda::DeviceBuffer;
 using bench_cuda::GraphExec;
-using bench_cuda::Stream;
+using bench_cuda::OwnedStream;
 using bench_cuda::time_graph;
 
 /// splitmix64 with Box–Muller: fast enough for the hundreds of MB of inputs a batch of 1024
@@ -114,7 +113,8 @@ struct CaseConfig {
 /// One case: a cache, its slot groups, inputs, and the cycle of steps the graph replays.
 class CaseRunner {
  public:
-  explicit CaseRunner(const CaseConfig& c) : c_(c) {}
+  // Everything the runner does is ordered on `stream`.
+  CaseRunner(const CaseConfig& c, cudaStream_t stream) : c_(c), stream_(stream) {}
 
   Status init() {
     StateCacheConfig config;
@@ -129,12 +129,12 @@ class CaseRunner {
     config.buffer_len = c_.buffer_len;
     config.max_spec_tokens = c_.mode == DecodeMode::kReplay ? c_.window : 1;
     config.checkpoint = c_.checkpoint;
-    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_));
+    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_, stream_));
     for (int g = 0; g < c_.groups; ++g) {
       std::vector<std::int32_t> ids;
       for (int b = 0; b < c_.batch; ++b) {
         int slot = -1;
-        REPLAYSSM_RETURN_IF_ERROR(state_cache_allocate_slot(*cache_, &slot));
+        REPLAYSSM_RETURN_IF_ERROR(state_cache_allocate_slot(*cache_, &slot, stream_));
         ids.push_back(slot);
       }
       host_groups_.push_back(ids);
@@ -167,7 +167,7 @@ class CaseRunner {
         DeviceBuffer d;
         REPLAYSSM_RETURN_IF_ERROR(d.upload(masked));
         REPLAYSSM_RETURN_IF_ERROR(step(d.get<std::int32_t>(), j % kInputSets));
-        REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cuda::launch_stream()));
+        REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
       }
     }
     return Status::ok();
@@ -211,7 +211,7 @@ class CaseRunner {
         a.g = in.g.get<float>();
         a.beta = in.beta.get<float>();
         a.o = out_.get();
-        REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
+        REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a, stream_));
       }
     }
     if (c_.mode == DecodeMode::kEager) return Status::ok();
@@ -219,10 +219,11 @@ class CaseRunner {
     commit.batch = c_.batch;
     commit.slot_ids = ids;
     commit.accepted = accepted_.get<std::int32_t>();
-    return state_cache_commit(*cache_, commit);
+    return state_cache_commit(*cache_, commit, stream_);
   }
 
   CaseConfig c_;
+  cudaStream_t stream_;
   std::unique_ptr<StateCache> cache_;
   std::vector<std::vector<std::int32_t>> host_groups_;
   std::vector<DeviceBuffer> groups_;
@@ -234,12 +235,11 @@ class CaseRunner {
 /// `repetitions` times between events. Fills µs per layer step (median, min).
 Status time_case(const CaseConfig& c, const BenchOptions& options, double* us_median,
                  double* us_min) {
-  Stream owned;
+  OwnedStream owned;
   REPLAYSSM_RETURN_IF_ERROR(owned.create());
   const cudaStream_t stream = owned.s;
-  cuda::ScopedLaunchStream on(stream);
 
-  CaseRunner runner(c);
+  CaseRunner runner(c, stream);
   REPLAYSSM_RETURN_IF_ERROR(runner.init());
   if (c.stagger) REPLAYSSM_RETURN_IF_ERROR(runner.stagger());
   for (int w = 0; w < std::max(1, options.warmup_cycles); ++w) {
@@ -283,14 +283,6 @@ int slot_groups(const GdnShape& s, int batch, std::size_t bytes_per_elem,
   return int(std::max<std::int64_t>(1, (min_bytes + group - 1) / group));
 }
 
-std::size_t read_copy_bytes(DecodeMode mode, DType state, CheckpointPrecision p) {
-  if (mode == DecodeMode::kEager) return dtype_size(state);
-  switch (p) {
-    case CheckpointPrecision::kFp32: return 4;
-    case CheckpointPrecision::kFp32Fp8: return 1;
-    default: return 2;
-  }
-}
 
 }  // namespace
 
@@ -312,7 +304,7 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
       c.state_dtype = options.eager_state_dtype;
       c.input_dtype = options.input_dtype;
       c.stagger = mode == DecodeMode::kReplay && options.flush == FlushPattern::kStaggered;
-      c.groups = slot_groups(shape.gdn, batch, read_copy_bytes(mode, c.state_dtype, p), options);
+      c.groups = slot_groups(shape.gdn, batch, bytes_model_read_copy_elem(mode, c.state_dtype, p), options);
       if (options.progress) {
         const std::string what = mode == DecodeMode::kEager
                                      ? std::string("eager")
@@ -365,7 +357,7 @@ Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, i
     // Whole fold cycles: with k tokens committed per step a fold falls due every ceil(L/k)
     // steps; three of them.
     c.cycle_steps = 3 * ((options.buffer_len + accepted - 1) / std::max(1, accepted));
-    c.groups = slot_groups(shape.gdn, batch, read_copy_bytes(c.mode, c.state_dtype, p), options);
+    c.groups = slot_groups(shape.gdn, batch, bytes_model_read_copy_elem(c.mode, c.state_dtype, p), options);
     GdnSpecResult r;
     double us_min = 0.0;
     REPLAYSSM_RETURN_IF_ERROR(time_case(c, options, &r.replay_us, &us_min));

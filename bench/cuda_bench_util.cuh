@@ -48,16 +48,16 @@ class DeviceBuffer {
 };
 
 /// A non-blocking stream of the benchmark's own (capturable into a graph).
-struct Stream {
+struct OwnedStream {
   cudaStream_t s = nullptr;
-  Stream() = default;
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
+  OwnedStream() = default;
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
   Status create() {
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     return Status::ok();
   }
-  ~Stream() {
+  ~OwnedStream() {
     if (s != nullptr) (void)cudaStreamDestroy(s);
   }
 };

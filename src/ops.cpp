@@ -1,4 +1,4 @@
-// The public decode ops: validate, then hand to the cache's backend.
+// The public decode ops: validate what varies per call, then hand to the cache's backend.
 
 #include "replayssm/ops.h"
 
@@ -7,40 +7,30 @@
 
 namespace replayssm {
 
-bool cuda_available() {
-#if defined(REPLAYSSM_WITH_CUDA)
-  return cuda::device_present();
-#else
-  return false;
-#endif
-}
+bool cuda_available() { return cuda::device_present(); }
 
-Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args) {
+Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_mamba2_decode(cache, args));
   if (args.batch == 0) return Status::ok();
-  if (cache.config().device == Device::kCpu) {
-    cpu::mamba2_decode(cache.layout(), args);
-    return Status::ok();
+  switch (cache.config().device) {
+    case Device::kCpu:
+      cpu::mamba2_decode(cache.layout(), args);
+      return Status::ok();
+    case Device::kCuda: return cuda::mamba2_decode(cache.layout(), args, stream);
   }
-#if defined(REPLAYSSM_WITH_CUDA)
-  return cuda::mamba2_decode(cache.layout(), args);
-#else
-  return unsupported("built without CUDA");
-#endif
+  return invalid_argument("unknown device");
 }
 
-Status gdn_decode(StateCache& cache, const GdnDecodeArgs& args) {
+Status gdn_decode(StateCache& cache, const GdnDecodeArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_gdn_decode(cache, args));
   if (args.batch == 0) return Status::ok();
-  if (cache.config().device == Device::kCpu) {
-    cpu::gdn_decode(cache.layout(), args);
-    return Status::ok();
+  switch (cache.config().device) {
+    case Device::kCpu:
+      cpu::gdn_decode(cache.layout(), args);
+      return Status::ok();
+    case Device::kCuda: return cuda::gdn_decode(cache.layout(), args, stream);
   }
-#if defined(REPLAYSSM_WITH_CUDA)
-  return cuda::gdn_decode(cache.layout(), args);
-#else
-  return unsupported("built without CUDA");
-#endif
+  return invalid_argument("unknown device");
 }
 
 }  // namespace replayssm

@@ -1,37 +1,63 @@
-// StateCache: config validation, buffer allocation, slot management and the cursor ops.
-// Everything here is backend-agnostic; the per-element work is in src/cpu and src/cuda.
+// StateCache: config validation, buffers (owned or the caller's), slot management and the
+// cursor ops. Everything here is backend-agnostic; the per-element work is in src/cpu and
+// src/cuda.
 
 #include "replayssm/state_cache.h"
 
 #include <string>
 
 #include "backend.h"
+#include "cache_buffers.h"
 #include "state_cache_layout.h"
 #include "validate.h"
 
 namespace replayssm {
 
+/// The buffers of an owning cache: freed with it.
+struct OwnedCacheMemory {
+  Device device = Device::kCpu;
+  std::vector<void*> buffers;
+  ~OwnedCacheMemory() {
+    for (void* p : buffers) memory_free(device, p);
+  }
+};
+
+/// What the free functions of this file need of a StateCache's private parts.
+struct StateCacheAccess {
+  static StateCache* make() { return new StateCache(); }
+  static std::unique_ptr<OwnedCacheMemory>& owned(StateCache& c) { return c.owned_; }
+  static std::vector<int>& free_list(StateCache& c) { return c.free_list_; }
+  static std::vector<std::uint8_t>& host_allocated(StateCache& c) { return c.host_allocated_; }
+};
+
+StateDims StateCacheConfig::dims() const {
+  switch (kind) {
+    case LayerKind::kMamba2: return state_dims(mamba2);
+    case LayerKind::kGdn: return state_dims(gdn);
+  }
+  return {};
+}
+
 namespace {
 
-int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
+std::string str(std::int64_t v) { return std::to_string(v); }
 
 bool is_activation_dtype(DType d) {
   return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
 }
 
+// What every backend needs of a configuration; backend-specific limits come after.
 Status validate_config(const StateCacheConfig& c) {
   const StateDims d = c.dims();
   if (d.heads <= 0 || d.rows <= 0 || d.cols <= 0 || d.key_heads <= 0) {
     return invalid_argument("layer shape has a non-positive dimension");
   }
   if (d.heads % d.key_heads != 0) {
-    return invalid_argument(c.kind == LayerKind::kMamba2
-                                ? "nheads must be a multiple of ngroups"
-                                : "num_v_heads must be a multiple of num_k_heads");
+    switch (c.kind) {
+      case LayerKind::kMamba2: return invalid_argument("nheads must be a multiple of ngroups");
+      case LayerKind::kGdn:
+        return invalid_argument("num_v_heads must be a multiple of num_k_heads");
+    }
   }
   if (c.num_layers < 1) return invalid_argument("num_layers must be >= 1");
   if (c.capacity < 1) return invalid_argument("capacity must be >= 1 slot");
@@ -39,52 +65,136 @@ Status validate_config(const StateCacheConfig& c) {
     return invalid_argument(std::string("unsupported input dtype ") + dtype_name(c.input_dtype) +
                             "; supported: f32, bf16, f16");
   }
-  if (c.mode == DecodeMode::kEager) {
-    if (!is_activation_dtype(c.state_dtype)) {
-      return invalid_argument(std::string("unsupported eager state dtype ") +
-                              dtype_name(c.state_dtype) + "; supported: f32, bf16, f16");
+  switch (c.mode) {
+    case DecodeMode::kEager:
+      if (!is_activation_dtype(c.state_dtype)) {
+        return invalid_argument(std::string("unsupported eager state dtype ") +
+                                dtype_name(c.state_dtype) + "; supported: f32, bf16, f16");
+      }
+      return Status::ok();
+    case DecodeMode::kReplay:
+      if (c.buffer_len < 1 || c.buffer_len > kMaxBufferLen) {
+        return invalid_argument("buffer_len (L) must be in [1, " + str(kMaxBufferLen) +
+                                "], got " + str(c.buffer_len));
+      }
+      if (c.max_spec_tokens < 1 || c.max_spec_tokens > kMaxSpecTokens) {
+        return invalid_argument("max_spec_tokens (T) must be in [1, " + str(kMaxSpecTokens) +
+                                "], got " + str(c.max_spec_tokens));
+      }
+      return Status::ok();
+  }
+  return invalid_argument("unknown decode mode");
+}
+
+// Every binding names a buffer of `specs` once, with enough aligned, usable memory.
+Status validate_bindings(const StateCacheConfig& config,
+                         const std::vector<CacheBufferSpec>& specs,
+                         std::span<const CacheBufferBinding> buffers) {
+  std::vector<const CacheBufferBinding*> bound(kNumCacheBuffers, nullptr);
+  for (const CacheBufferBinding& b : buffers) {
+    const int i = static_cast<int>(b.id);
+    if (i < 0 || i >= kNumCacheBuffers) return invalid_argument("unknown cache buffer id " + str(i));
+    if (bound[std::size_t(i)] != nullptr) {
+      return invalid_argument(std::string("cache buffer ") + cache_buffer_name(b.id) +
+                              " is bound twice");
     }
-    return Status::ok();
+    bound[std::size_t(i)] = &b;
   }
-  if (c.buffer_len < 1 || c.buffer_len > kMaxBufferLen) {
-    return invalid_argument("buffer_len (L) must be in [1, " + std::to_string(kMaxBufferLen) +
-                            "], got " + std::to_string(c.buffer_len));
+  for (const CacheBufferSpec& s : specs) {
+    const CacheBufferBinding* b = bound[static_cast<std::size_t>(s.id)];
+    const std::string name = std::string("cache buffer ") + s.name;
+    if (b == nullptr) return invalid_argument(name + " is not bound (this configuration needs it)");
+    bound[static_cast<std::size_t>(s.id)] = nullptr;
+    if (b->data == nullptr) return invalid_argument(name + " is null");
+    if (b->bytes < s.bytes) {
+      return invalid_argument(name + " has " + str(b->bytes) + " bytes; it needs " + str(s.bytes));
+    }
+    if (reinterpret_cast<std::uintptr_t>(b->data) % std::uintptr_t(s.alignment) != 0) {
+      return invalid_argument(name + " is not aligned to " + str(s.alignment) + " bytes");
+    }
+    REPLAYSSM_RETURN_IF_ERROR(memory_check_usable(config.device, b->data, s.name));
   }
-  if (c.max_spec_tokens < 1 || c.max_spec_tokens > kMaxSpecTokens) {
-    return invalid_argument("max_spec_tokens (T) must be in [1, " +
-                            std::to_string(kMaxSpecTokens) + "], got " +
-                            std::to_string(c.max_spec_tokens));
+  for (const CacheBufferBinding* b : bound) {
+    if (b != nullptr) {
+      return invalid_argument(std::string("cache buffer ") + cache_buffer_name(b->id) +
+                              " is bound but this configuration has no such buffer");
+    }
   }
   return Status::ok();
 }
 
-// Allocates `count` elements of `elem_bytes` into *ptr, accumulating the total in *total.
-template <typename T>
-Status alloc_buffer(Device device, std::int64_t count, std::size_t elem_bytes, T** ptr,
-                    std::int64_t* total) {
-  const auto bytes = static_cast<std::size_t>(count) * elem_bytes;
-  void* p = nullptr;
-  REPLAYSSM_RETURN_IF_ERROR(memory_alloc(device, bytes, &p));
-  *ptr = static_cast<T*>(p);
-  *total += static_cast<std::int64_t>(bytes);
+// Builds the cache over `buffers` (already validated). `zeroed`: the memory is known to be zero
+// (fresh allocations), so kZero need not clear it again.
+Status build_cache(const StateCacheConfig& config, std::span<const CacheBufferBinding> buffers,
+                   ViewInit init, bool zeroed, Stream stream, std::unique_ptr<StateCache>* out) {
+  std::unique_ptr<StateCache> cache(StateCacheAccess::make());
+  StateCacheLayout& l = cache->layout();
+  l.config = config;
+  l.dims = config.dims();
+  l.ckpt = checkpoint_traits(config.checkpoint);
+  l.ring_capacity = config.mode == DecodeMode::kReplay
+                        ? ring_capacity_for(config.buffer_len, config.max_spec_tokens)
+                        : 0;
+  for (const CacheBufferSpec& s : cache_buffer_specs(config)) l.total_bytes += s.bytes;
+  for (const CacheBufferBinding& b : buffers) bind_layout_buffer(l, b.id, b.data);
+
+  auto& host_allocated = StateCacheAccess::host_allocated(*cache);
+  host_allocated.assign(static_cast<std::size_t>(config.capacity), 0);
+  switch (init) {
+    case ViewInit::kZero:
+      if (!zeroed) {
+        for (const CacheBufferSpec& s : cache_buffer_specs(config)) {
+          REPLAYSSM_RETURN_IF_ERROR(memory_zero(config.device, layout_buffer(l, s.id),
+                                                static_cast<std::size_t>(s.bytes), stream));
+        }
+      }
+      break;
+    case ViewInit::kAdopt:
+      REPLAYSSM_RETURN_IF_ERROR(memory_to_host(config.device, host_allocated.data(), l.allocated,
+                                               host_allocated.size(), stream));
+      for (std::size_t s = 0; s < host_allocated.size(); ++s) {
+        if (host_allocated[s] > 1) {
+          return invalid_argument("cannot adopt the buffers: allocated[" + str(std::int64_t(s)) +
+                                  "] is " + str(host_allocated[s]) + " (must be 0 or 1)");
+        }
+      }
+      break;
+  }
+  auto& free_list = StateCacheAccess::free_list(*cache);
+  free_list.reserve(static_cast<std::size_t>(config.capacity));
+  for (int s = config.capacity - 1; s >= 0; --s) {
+    if (host_allocated[std::size_t(s)] == 0) free_list.push_back(s);
+  }
+  *out = std::move(cache);
+  return Status::ok();
+}
+
+// Zeroes every layer's state (or checkpoint copies) and cursors of `slot`, marks it allocated.
+Status reset_slot(StateCacheLayout& l, int slot, Stream stream) {
+  for (const CacheBufferSpec& s : cache_buffer_specs(l.config)) {
+    if (!zeroed_on_slot_reset(s.id)) continue;
+    const auto region = static_cast<std::size_t>(slot_region_bytes(s));
+    const auto pitch = region * static_cast<std::size_t>(l.config.capacity);
+    char* base = static_cast<char*>(layout_buffer(l, s.id)) + region * std::size_t(slot);
+    REPLAYSSM_RETURN_IF_ERROR(memory_zero_2d(l.config.device, base, region, pitch,
+                                             static_cast<std::size_t>(slot_region_count(s)),
+                                             stream));
+  }
+  return memory_set_byte(l.config.device, l.allocated + slot, 1, stream);
+}
+
+Status take_slot(StateCache& cache, int slot, Stream stream) {
+  REPLAYSSM_RETURN_IF_ERROR(reset_slot(cache.layout(), slot, stream));
+  auto& free_list = StateCacheAccess::free_list(cache);
+  std::erase(free_list, slot);
+  StateCacheAccess::host_allocated(cache)[static_cast<std::size_t>(slot)] = 1;
   return Status::ok();
 }
 
 }  // namespace
 
 StateCache::StateCache() : layout_(std::make_unique<StateCacheLayout>()) {}
-
-StateCache::~StateCache() {
-  auto& l = *layout_;
-  const Device dev = l.config.device;
-  for (void* p : {l.state, static_cast<void*>(l.ckpt_hi), l.ckpt_lo,
-                  static_cast<void*>(l.ckpt_lo_scale), l.ring_vec, l.ring_key, static_cast<void*>(l.ring_key_scale),
-                  static_cast<void*>(l.ring_write), static_cast<void*>(l.ring_decay),
-                  static_cast<void*>(l.committed), static_cast<void*>(l.folded),
-                  static_cast<void*>(l.pending), static_cast<void*>(l.allocated)}) {
-    if (p != nullptr) memory_free(dev, p);
-  }
-}
+StateCache::~StateCache() = default;
 
 const StateCacheConfig& StateCache::config() const { return layout_->config; }
 int StateCache::ring_capacity() const { return layout_->ring_capacity; }
@@ -92,161 +202,150 @@ int StateCache::free_slots() const { return static_cast<int>(free_list_.size());
 StateCacheLayout& StateCache::layout() { return *layout_; }
 const StateCacheLayout& StateCache::layout() const { return *layout_; }
 std::int64_t StateCache::bytes() const { return layout_->total_bytes; }
+bool StateCache::owns_memory() const { return owned_ != nullptr; }
+void* StateCache::buffer(CacheBufferId id) const { return layout_buffer(*layout_, id); }
 
 bool StateCache::is_allocated(int slot) const {
   if (slot < 0 || slot >= layout_->config.capacity) return false;
   return host_allocated_[static_cast<std::size_t>(slot)] != 0;
 }
 
-Status state_cache_create(const StateCacheConfig& config, std::unique_ptr<StateCache>* out) {
-  if (out == nullptr) return invalid_argument("state_cache_create: out is null");
+Status state_cache_can_implement(const StateCacheConfig& config) {
   REPLAYSSM_RETURN_IF_ERROR(validate_config(config));
-  if (config.device == Device::kCuda && !cuda_available()) {
-    return unsupported("a CUDA state cache needs a build with CUDA and a GPU");
+  switch (config.device) {
+    case Device::kCpu: return Status::ok();  // the CPU backend runs every valid config
+    case Device::kCuda: return cuda::can_implement(config);
   }
-  std::unique_ptr<StateCache> cache(new StateCache());
-  StateCacheLayout& l = *cache->layout_;
-  l.config = config;
-  l.dims = config.dims();
-  const Device dev = config.device;
-  const std::int64_t layer_slots = std::int64_t{config.num_layers} * config.capacity;
-  std::int64_t& total = l.total_bytes;
+  return invalid_argument("unknown device");
+}
 
-  if (config.mode == DecodeMode::kEager) {
-    REPLAYSSM_RETURN_IF_ERROR(alloc_buffer(dev, layer_slots * l.state_elems(),
-                                           dtype_size(config.state_dtype), &l.state, &total));
-  } else {
-    l.ring_capacity = next_pow2(config.buffer_len + 2 * config.max_spec_tokens - 1);
-    const CheckpointPrecision p = config.checkpoint;
-    if (p != CheckpointPrecision::kBf16) {
-      REPLAYSSM_RETURN_IF_ERROR(
-          alloc_buffer(dev, layer_slots * l.state_elems(), 4, &l.ckpt_hi, &total));
-    }
-    if (p != CheckpointPrecision::kFp32) {
-      REPLAYSSM_RETURN_IF_ERROR(alloc_buffer(dev, layer_slots * l.state_elems(),
-                                             dtype_size(l.lo_dtype()), &l.ckpt_lo, &total));
-    }
-    if (p == CheckpointPrecision::kFp32Fp8) {
-      REPLAYSSM_RETURN_IF_ERROR(
-          alloc_buffer(dev, layer_slots * l.state_rows(), 4, &l.ckpt_lo_scale, &total));
-    }
-    const std::int64_t records = layer_slots * l.ring_capacity;
-    const std::size_t in_bytes = dtype_size(config.input_dtype);
-    REPLAYSSM_RETURN_IF_ERROR(
-        alloc_buffer(dev, records * l.vec_elems(), in_bytes, &l.ring_vec, &total));
-    REPLAYSSM_RETURN_IF_ERROR(
-        alloc_buffer(dev, records * l.key_elems(), in_bytes, &l.ring_key, &total));
-    if (config.kind == LayerKind::kGdn) {
-      REPLAYSSM_RETURN_IF_ERROR(
-          alloc_buffer(dev, records * l.dims.key_heads, 4, &l.ring_key_scale, &total));
-    }
-    REPLAYSSM_RETURN_IF_ERROR(
-        alloc_buffer(dev, records * l.dims.heads, 4, &l.ring_write, &total));
-    REPLAYSSM_RETURN_IF_ERROR(
-        alloc_buffer(dev, records * l.dims.heads, 4, &l.ring_decay, &total));
-  }
-  REPLAYSSM_RETURN_IF_ERROR(alloc_buffer(dev, config.capacity, 4, &l.committed, &total));
-  REPLAYSSM_RETURN_IF_ERROR(alloc_buffer(dev, layer_slots, 4, &l.folded, &total));
-  REPLAYSSM_RETURN_IF_ERROR(alloc_buffer(dev, config.capacity, 1, &l.pending, &total));
-  REPLAYSSM_RETURN_IF_ERROR(alloc_buffer(dev, config.capacity, 1, &l.allocated, &total));
-
-  cache->host_allocated_.assign(static_cast<std::size_t>(config.capacity), 0);
-  cache->free_list_.reserve(static_cast<std::size_t>(config.capacity));
-  for (int s = config.capacity - 1; s >= 0; --s) cache->free_list_.push_back(s);
-  *out = std::move(cache);
+Status state_cache_buffers(const StateCacheConfig& config, std::vector<CacheBufferSpec>* out) {
+  if (out == nullptr) return invalid_argument("state_cache_buffers: out is null");
+  REPLAYSSM_RETURN_IF_ERROR(validate_config(config));
+  *out = cache_buffer_specs(config);
   return Status::ok();
 }
 
-Status state_cache_allocate_slot(StateCache& cache, int* slot) {
-  if (slot == nullptr) return invalid_argument("state_cache_allocate_slot: slot is null");
-  if (cache.free_list_.empty()) {
-    return {StatusCode::kOutOfMemory, "state cache is full (" +
-                                          std::to_string(cache.config().capacity) + " slots)"};
+Status state_cache_create(const StateCacheConfig& config, std::unique_ptr<StateCache>* out,
+                          Stream stream) {
+  if (out == nullptr) return invalid_argument("state_cache_create: out is null");
+  REPLAYSSM_RETURN_IF_ERROR(state_cache_can_implement(config));
+  auto owned = std::make_unique<OwnedCacheMemory>();
+  owned->device = config.device;
+  std::vector<CacheBufferBinding> bindings;
+  for (const CacheBufferSpec& s : cache_buffer_specs(config)) {
+    void* p = nullptr;
+    REPLAYSSM_RETURN_IF_ERROR(memory_alloc(config.device, static_cast<std::size_t>(s.bytes), &p));
+    owned->buffers.push_back(p);
+    bindings.push_back({s.id, p, s.bytes});
   }
-  const int s = cache.free_list_.back();
-  REPLAYSSM_RETURN_IF_ERROR(reset_slot(cache.layout(), s));
-  cache.free_list_.pop_back();
-  cache.host_allocated_[static_cast<std::size_t>(s)] = 1;
+  REPLAYSSM_RETURN_IF_ERROR(build_cache(config, bindings, ViewInit::kZero, /*zeroed=*/true,
+                                        stream, out));
+  StateCacheAccess::owned(**out) = std::move(owned);
+  return Status::ok();
+}
+
+Status state_cache_create_view(const StateCacheConfig& config,
+                               std::span<const CacheBufferBinding> buffers, ViewInit init,
+                               std::unique_ptr<StateCache>* out, Stream stream) {
+  if (out == nullptr) return invalid_argument("state_cache_create_view: out is null");
+  REPLAYSSM_RETURN_IF_ERROR(state_cache_can_implement(config));
+  REPLAYSSM_RETURN_IF_ERROR(validate_bindings(config, cache_buffer_specs(config), buffers));
+  return build_cache(config, buffers, init, /*zeroed=*/false, stream, out);
+}
+
+Status state_cache_allocate_slot(StateCache& cache, int* slot, Stream stream) {
+  if (slot == nullptr) return invalid_argument("state_cache_allocate_slot: slot is null");
+  const auto& free_list = StateCacheAccess::free_list(cache);
+  if (free_list.empty()) {
+    return {StatusCode::kOutOfMemory,
+            "state cache is full (" + str(cache.config().capacity) + " slots)"};
+  }
+  const int s = free_list.back();
+  REPLAYSSM_RETURN_IF_ERROR(take_slot(cache, s, stream));
   *slot = s;
   return Status::ok();
 }
 
-Status state_cache_free_slot(StateCache& cache, int slot) {
+Status state_cache_claim_slot(StateCache& cache, int slot, Stream stream) {
+  if (slot < 0 || slot >= cache.config().capacity) {
+    return invalid_argument("slot " + str(slot) + " out of range [0, " +
+                            str(cache.config().capacity) + ")");
+  }
+  if (cache.is_allocated(slot)) return invalid_argument("slot " + str(slot) + " is in use");
+  return take_slot(cache, slot, stream);
+}
+
+Status state_cache_free_slot(StateCache& cache, int slot, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
-  const std::uint8_t zero = 0;
-  REPLAYSSM_RETURN_IF_ERROR(memory_from_host(cache.config().device,
-                                             cache.layout().allocated + slot, &zero, 1));
-  cache.host_allocated_[static_cast<std::size_t>(slot)] = 0;
-  cache.free_list_.push_back(slot);
+  REPLAYSSM_RETURN_IF_ERROR(
+      memory_set_byte(cache.config().device, cache.layout().allocated + slot, 0, stream));
+  StateCacheAccess::host_allocated(cache)[static_cast<std::size_t>(slot)] = 0;
+  StateCacheAccess::free_list(cache).push_back(slot);
   return Status::ok();
 }
 
-Status state_cache_load_state(StateCache& cache, int layer, int slot, const float* state) {
+Status state_cache_load_state(StateCache& cache, int layer, int slot, const float* state,
+                              Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_layer(cache, layer));
   REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
   if (state == nullptr) return invalid_argument("state_cache_load_state: state is null");
-  REPLAYSSM_RETURN_IF_ERROR(validate_no_pending(cache, slot, "load a state into"));
+  REPLAYSSM_RETURN_IF_ERROR(validate_no_pending(cache, layer, slot, "load a state into", stream));
   StateCacheLayout& l = cache.layout();
-  if (l.config.device == Device::kCpu) {
-    cpu::load_state(l, layer, slot, state);
-    return Status::ok();
+  switch (l.config.device) {
+    case Device::kCpu:
+      REPLAYSSM_RETURN_IF_ERROR(validate_finite_state(l, state));
+      cpu::load_state(l, layer, slot, state);
+      return Status::ok();
+    case Device::kCuda: return cuda::load_state(l, layer, slot, state, stream);
   }
-#if defined(REPLAYSSM_WITH_CUDA)
-  return cuda::load_state(l, layer, slot, state);
-#else
-  return unsupported("built without CUDA");
-#endif
+  return invalid_argument("unknown device");
 }
 
-Status state_cache_export_state(StateCache& cache, int layer, int slot, float* state) {
+Status state_cache_export_state(StateCache& cache, int layer, int slot, float* state,
+                                Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_layer(cache, layer));
   REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
   if (state == nullptr) return invalid_argument("state_cache_export_state: state is null");
   StateCacheLayout& l = cache.layout();
-  if (l.config.device == Device::kCpu) {
-    cpu::fold_committed(l, layer, slot);
-    cpu::export_state(l, layer, slot, state);
-    return Status::ok();
+  switch (l.config.device) {
+    case Device::kCpu:
+      cpu::fold_committed(l, layer, slot);
+      cpu::export_state(l, layer, slot, state);
+      return Status::ok();
+    case Device::kCuda: return cuda::export_state(l, layer, slot, state, stream);
   }
-#if defined(REPLAYSSM_WITH_CUDA)
-  return cuda::export_state(l, layer, slot, state);
-#else
-  return unsupported("built without CUDA");
-#endif
+  return invalid_argument("unknown device");
 }
 
-Status state_cache_commit(StateCache& cache, const CommitArgs& args) {
+Status state_cache_commit(StateCache& cache, const CommitArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_commit(cache, args));
   StateCacheLayout& l = cache.layout();
-  if (l.config.device == Device::kCpu) {
-    cpu::commit(l, args);
-    return Status::ok();
+  switch (l.config.device) {
+    case Device::kCpu:
+      cpu::commit(l, args);
+      return Status::ok();
+    case Device::kCuda: return cuda::commit(l, args, stream);
   }
-#if defined(REPLAYSSM_WITH_CUDA)
-  return cuda::commit(l, args);
-#else
-  return unsupported("built without CUDA");
-#endif
+  return invalid_argument("unknown device");
 }
 
-Status state_cache_fold(StateCache& cache, const FoldArgs& args) {
+Status state_cache_fold(StateCache& cache, const FoldArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_batch_slots(cache, args.batch, args.slot_ids));
   StateCacheLayout& l = cache.layout();
-  if (l.config.mode == DecodeMode::kEager) return Status::ok();
-  if (l.config.device == Device::kCpu) {
-    for (int b = 0; b < args.batch; ++b) {
-      if (args.slot_ids[b] < 0) continue;
-      for (int layer = 0; layer < l.config.num_layers; ++layer) {
-        cpu::fold_committed(l, layer, args.slot_ids[b]);
+  if (l.config.mode == DecodeMode::kEager || args.batch == 0) return Status::ok();
+  switch (l.config.device) {
+    case Device::kCpu:
+      for (int b = 0; b < args.batch; ++b) {
+        if (args.slot_ids[b] < 0) continue;
+        for (int layer = 0; layer < l.config.num_layers; ++layer) {
+          cpu::fold_committed(l, layer, args.slot_ids[b]);
+        }
       }
-    }
-    return Status::ok();
+      return Status::ok();
+    case Device::kCuda: return cuda::fold(l, args, stream);
   }
-#if defined(REPLAYSSM_WITH_CUDA)
-  return cuda::fold(l, args);
-#else
-  return unsupported("built without CUDA");
-#endif
+  return invalid_argument("unknown device");
 }
 
 }  // namespace replayssm

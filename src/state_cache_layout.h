@@ -1,6 +1,7 @@
 #pragma once
-// The raw buffers of a StateCache, shared by the CPU and CUDA backends. Plain data only (no
-// CUDA types) so that it can be passed by value into kernels' Params.
+// The raw buffers of a StateCache and the rules that address them, shared by the CPU and CUDA
+// backends, host and device. Plain data only (no CUDA types) so that it travels by value inside
+// kernels' Params; every index and every L/T rule is written here once.
 //
 // Every per-slot buffer is indexed [layer][slot][...]; the ring is
 // [layer][slot][ring_capacity][...] and position p of a slot lives at p & (ring_capacity - 1).
@@ -18,14 +19,41 @@
 
 #include <cstdint>
 
+#include "common/checkpoint_traits.h"
+#include "common/host_device.h"
 #include "replayssm/state_cache.h"
 #include "replayssm/types.h"
 
 namespace replayssm {
 
+// ---- the L/T rules (L = buffer_len, T = max_spec_tokens) -------------------------------------
+
+/// The most committed history a (layer, slot) holds in valid use: a fold is due from L on, and
+/// one commit may add up to T tokens past L − 1. Kernels clamp to it so that corrupt cursors can
+/// never index past their staging.
+REPLAYSSM_HD constexpr int max_history(int L, int T) { return L - 1 + T; }
+/// Records a decode may touch: that history plus its own window of up to T tokens. What replay
+/// kernels stage in shared memory.
+REPLAYSSM_HD constexpr int max_records(int L, int T) { return max_history(L, T) + T; }
+/// Ring entries per (layer, slot): the next power of two >= max_records, so that a position's
+/// index is a mask.
+REPLAYSSM_HD constexpr int ring_capacity_for(int L, int T) {
+  int p = 1;
+  while (p < max_records(L, T)) p <<= 1;
+  return p;
+}
+/// Whether a decode of `num_tokens` tokens (0: an explicit fold) folds the committed history
+/// first: a decode when at least L tokens wait, an explicit fold whenever any do.
+REPLAYSSM_HD constexpr bool fold_due(std::uint32_t unfolded_count, int num_tokens, int L) {
+  return num_tokens == 0 ? unfolded_count > 0 : unfolded_count >= std::uint32_t(L);
+}
+
+// ---- the buffers -----------------------------------------------------------------------------
+
 struct StateCacheLayout {
   StateCacheConfig config;
   StateDims dims;
+  CheckpointTraits ckpt;  // of config.checkpoint (replay caches)
   int ring_capacity = 0;  // power of two; 0 for eager caches
   std::int64_t total_bytes = 0;
 
@@ -47,29 +75,43 @@ struct StateCacheLayout {
 
   std::uint32_t* committed = nullptr;  // [slot]
   std::uint32_t* folded = nullptr;     // [layer][slot]
-  std::uint8_t* pending = nullptr;     // [slot]
+  std::uint8_t* pending = nullptr;     // [layer][slot]
   std::uint8_t* allocated = nullptr;   // [slot]
 
   // Sizes and offsets, in elements.
-  [[nodiscard]] std::int64_t state_elems() const { return dims.state_elems(); }
-  [[nodiscard]] std::int64_t state_rows() const {
-    return std::int64_t{dims.heads} * dims.rows;
+  REPLAYSSM_HD std::int64_t state_elems() const {
+    return std::int64_t{dims.heads} * dims.rows * dims.cols;
   }
-  [[nodiscard]] std::int64_t layer_slot(int layer, int slot) const {
-    return std::int64_t{layer} * config.capacity + slot;
-  }
-  [[nodiscard]] std::int64_t vec_elems() const { return std::int64_t{dims.heads} * dims.rows; }
-  [[nodiscard]] std::int64_t key_elems() const {
+  REPLAYSSM_HD std::int64_t state_rows() const { return std::int64_t{dims.heads} * dims.rows; }
+  REPLAYSSM_HD std::int64_t vec_elems() const { return std::int64_t{dims.heads} * dims.rows; }
+  REPLAYSSM_HD std::int64_t key_elems() const {
     return std::int64_t{dims.key_heads} * dims.cols;
   }
-  // Index of ring entry `pos` of (layer, slot) in units of one record.
-  [[nodiscard]] std::int64_t ring_record(int layer, int slot, std::uint32_t pos) const {
+  /// Index of (layer, slot) among the per-layer regions of every [layer][slot] buffer.
+  REPLAYSSM_HD std::int64_t layer_slot(int layer, int slot) const {
+    return std::int64_t{layer} * config.capacity + slot;
+  }
+  /// Index of ring entry `pos` of (layer, slot) in units of one record.
+  REPLAYSSM_HD std::int64_t ring_record(int layer, int slot, std::uint32_t pos) const {
     return layer_slot(layer, slot) * ring_capacity + (pos & std::uint32_t(ring_capacity - 1));
   }
-  [[nodiscard]] bool has_hi() const { return ckpt_hi != nullptr; }
-  [[nodiscard]] bool has_lo() const { return ckpt_lo != nullptr; }
-  [[nodiscard]] DType lo_dtype() const {
-    return config.checkpoint == CheckpointPrecision::kFp32Fp8 ? DType::kF8E4M3 : DType::kBF16;
+  REPLAYSSM_HD bool has_hi() const { return ckpt_hi != nullptr; }
+  REPLAYSSM_HD bool has_lo() const { return ckpt_lo != nullptr; }
+  REPLAYSSM_HD DType lo_dtype() const { return ckpt.lo_dtype; }
+
+  // The L/T rules for this cache.
+  REPLAYSSM_HD int max_history() const {
+    return replayssm::max_history(config.buffer_len, config.max_spec_tokens);
+  }
+  REPLAYSSM_HD int max_records() const {
+    return replayssm::max_records(config.buffer_len, config.max_spec_tokens);
+  }
+  /// Committed tokens of (layer, slot) not yet folded into its checkpoint.
+  REPLAYSSM_HD std::uint32_t unfolded(int layer, int slot) const {
+    return committed[slot] - folded[layer_slot(layer, slot)];
+  }
+  REPLAYSSM_HD bool fold_due(std::uint32_t unfolded_count, int num_tokens) const {
+    return replayssm::fold_due(unfolded_count, num_tokens, config.buffer_len);
   }
 };
 

@@ -27,6 +27,8 @@ std::size_t dtype_size(DType dtype) {
     case DType::kBF16: return 2;
     case DType::kF16: return 2;
     case DType::kF8E4M3: return 1;
+    case DType::kU8: return 1;
+    case DType::kU32: return 4;
   }
   return 0;
 }
@@ -37,6 +39,8 @@ const char* dtype_name(DType dtype) {
     case DType::kBF16: return "bf16";
     case DType::kF16: return "f16";
     case DType::kF8E4M3: return "f8e4m3";
+    case DType::kU8: return "u8";
+    case DType::kU32: return "u32";
   }
   return "?";
 }

@@ -1,5 +1,6 @@
 #include "validate.h"
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,32 @@ Status require(const void* ptr, const char* op, const char* name) {
   return invalid_argument(std::string(op) + ": " + name + " is null");
 }
 
+// The layer kind an op serves, named as the op is.
+Status require_kind(const StateCache& cache, LayerKind kind, const char* op) {
+  if (cache.config().kind == kind) return Status::ok();
+  return invalid_argument(std::string(op) + " on a " + layer_kind_name(cache.config().kind) +
+                          " state cache");
+}
+
+// On a CPU replay cache: no active row's layer holds a window that was decoded and not yet
+// committed (a second decode would silently replace it; see ops.h).
+Status validate_no_pending_rows(const StateCache& cache, const char* op, int layer, int batch,
+                                const std::int32_t* slot_ids) {
+  const StateCacheLayout& l = cache.layout();
+  if (!on_cpu(cache) || l.config.mode != DecodeMode::kReplay) return Status::ok();
+  for (int b = 0; b < batch; ++b) {
+    const std::int32_t s = slot_ids[b];
+    if (s < 0) continue;
+    const int pending = l.pending[l.layer_slot(layer, s)];
+    if (pending != 0) {
+      return invalid_argument(std::string(op) + ": row " + str(b) + " (slot " + str(s) +
+                              "): layer " + str(layer) + " already holds an uncommitted window of " +
+                              str(pending) + " tokens; commit it (state_cache_commit) first");
+    }
+  }
+  return Status::ok();
+}
+
 // What both decode ops check: layer, batch, window width, slots, cursors.
 Status validate_decode_common(const StateCache& cache, const char* op, int layer, int batch,
                               int num_tokens, const std::int32_t* slot_ids) {
@@ -26,18 +53,52 @@ Status validate_decode_common(const StateCache& cache, const char* op, int layer
   if (num_tokens < 1) {
     return invalid_argument(std::string(op) + ": num_tokens must be >= 1, got " + str(num_tokens));
   }
-  if (c.mode == DecodeMode::kEager && num_tokens != 1) {
-    return unsupported(std::string(op) +
-                       ": an eager cache decodes one token at a time (num_tokens = 1); "
-                       "speculative windows need a replay cache");
+  switch (c.mode) {
+    case DecodeMode::kEager:
+      if (num_tokens != 1) {
+        return unsupported(std::string(op) +
+                           ": an eager cache decodes one token at a time (num_tokens = 1); "
+                           "speculative windows need a replay cache");
+      }
+      break;
+    case DecodeMode::kReplay:
+      if (num_tokens > c.max_spec_tokens) {
+        return invalid_argument(std::string(op) + ": window of " + str(num_tokens) +
+                                " tokens is wider than the cache's max_spec_tokens (" +
+                                str(c.max_spec_tokens) + ")");
+      }
+      break;
   }
-  if (c.mode == DecodeMode::kReplay && num_tokens > c.max_spec_tokens) {
-    return invalid_argument(std::string(op) + ": window of " + str(num_tokens) +
-                            " tokens is wider than the cache's max_spec_tokens (" +
-                            str(c.max_spec_tokens) + ")");
-  }
-  return validate_batch_slots(cache, batch, slot_ids);
+  REPLAYSSM_RETURN_IF_ERROR(validate_batch_slots(cache, batch, slot_ids));
+  return validate_no_pending_rows(cache, op, layer, batch, slot_ids);
 }
+
+// Per-head values of an active row (host memory) within [lo, hi] and finite.
+Status check_range(const char* op, const char* name, const float* v, std::int64_t n, double lo,
+                   double hi, const char* rule) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(v[i]) || v[i] < lo || v[i] > hi) {
+      return invalid_argument(std::string(op) + ": " + name + "[" + str(i) + "] = " +
+                              std::to_string(v[i]) + "; " + rule);
+    }
+  }
+  return Status::ok();
+}
+
+// Per-token values [batch, T, heads] of the active rows.
+Status check_token_range(const char* op, const char* name, const float* v, int batch, int T,
+                         int heads, const std::int32_t* slot_ids, double lo, double hi,
+                         const char* rule) {
+  const std::int64_t per_row = std::int64_t{T} * heads;
+  for (int b = 0; b < batch; ++b) {
+    if (slot_ids[b] < 0) continue;
+    Status st = check_range(op, name, v + b * per_row, per_row, lo, hi, rule);
+    if (!st.is_ok()) return invalid_argument("row " + str(b) + ": " + st.message());
+  }
+  return Status::ok();
+}
+
+constexpr double kInf = INFINITY;
 
 }  // namespace
 
@@ -78,14 +139,28 @@ Status validate_batch_slots(const StateCache& cache, int batch, const std::int32
   return Status::ok();
 }
 
-Status validate_no_pending(const StateCache& cache, int slot, const char* what) {
+Status validate_no_pending(const StateCache& cache, int layer, int slot, const char* what,
+                           Stream stream) {
+  if (cache.config().mode == DecodeMode::kEager) return Status::ok();
+  const StateCacheLayout& l = cache.layout();
   std::uint8_t pending = 0;
   REPLAYSSM_RETURN_IF_ERROR(memory_to_host(cache.config().device, &pending,
-                                           cache.layout().pending + slot, 1));
-  if (pending == 0 || cache.config().mode == DecodeMode::kEager) return Status::ok();
-  return invalid_argument(std::string("cannot ") + what + " slot " + str(slot) +
-                          " while it has an uncommitted window of " + str(pending) +
+                                           l.pending + l.layer_slot(layer, slot), 1, stream));
+  if (pending == 0) return Status::ok();
+  return invalid_argument(std::string("cannot ") + what + " layer " + str(layer) + " of slot " +
+                          str(slot) + " while it has an uncommitted window of " + str(pending) +
                           " tokens; commit first");
+}
+
+Status validate_finite_state(const StateCacheLayout& l, const float* state) {
+  const std::int64_t n = l.state_elems();
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(state[i])) {
+      return invalid_argument("state[" + str(i) + "] is " + std::to_string(state[i]) +
+                              "; a loaded state must be finite");
+    }
+  }
+  return Status::ok();
 }
 
 Status validate_commit(const StateCache& cache, const CommitArgs& args) {
@@ -98,11 +173,20 @@ Status validate_commit(const StateCache& cache, const CommitArgs& args) {
   for (int b = 0; b < args.batch; ++b) {
     const std::int32_t s = args.slot_ids[b];
     if (s < 0) continue;
+    const std::string row = "row " + str(b) + " (slot " + str(s) + "): ";
+    const int pending = l.pending[l.layer_slot(0, s)];
+    for (int layer = 1; layer < l.config.num_layers; ++layer) {
+      const int p = l.pending[l.layer_slot(layer, s)];
+      if (p != pending) {
+        return invalid_argument(row + "layer " + str(layer) + " decoded " + str(p) +
+                                " tokens of this window but layer 0 decoded " + str(pending) +
+                                "; every layer must decode the window before it is committed");
+      }
+    }
     const std::int32_t k = args.accepted[b];
-    if (k < 0 || k > l.pending[s]) {
-      return invalid_argument("row " + str(b) + " (slot " + str(s) + "): cannot commit " +
-                              str(k) + " tokens; the last decode appended " +
-                              str(l.pending[s]));
+    if (k < 0 || k > pending) {
+      return invalid_argument(row + "cannot commit " + str(k) +
+                              " tokens; the last decode appended " + str(pending));
     }
   }
   return Status::ok();
@@ -110,9 +194,7 @@ Status validate_commit(const StateCache& cache, const CommitArgs& args) {
 
 Status validate_mamba2_decode(const StateCache& cache, const Mamba2DecodeArgs& a) {
   constexpr const char* op = "mamba2_decode";
-  if (cache.config().kind != LayerKind::kMamba2) {
-    return invalid_argument("mamba2_decode on a gdn state cache");
-  }
+  REPLAYSSM_RETURN_IF_ERROR(require_kind(cache, LayerKind::kMamba2, op));
   REPLAYSSM_RETURN_IF_ERROR(
       validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.slot_ids));
   if (a.batch == 0) return Status::ok();
@@ -124,14 +206,23 @@ Status validate_mamba2_decode(const StateCache& cache, const Mamba2DecodeArgs& a
   REPLAYSSM_RETURN_IF_ERROR(require(a.D, op, "D"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.dt_bias, op, "dt_bias"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.y, op, "y"));
-  return Status::ok();
+  if (!on_cpu(cache)) return Status::ok();  // device memory: not read on the host
+  const int H = cache.config().mamba2.nheads;
+  REPLAYSSM_RETURN_IF_ERROR(
+      check_range(op, "A", a.A, H, -kInf, 0.0, "A must be negative and finite (a decay)"));
+  for (int h = 0; h < H; ++h) {
+    if (a.A[h] == 0.0f) {
+      return invalid_argument(std::string(op) + ": A[" + str(h) +
+                              "] = 0; A must be negative and finite (a decay)");
+    }
+  }
+  REPLAYSSM_RETURN_IF_ERROR(check_range(op, "D", a.D, H, -kInf, kInf, "D must be finite"));
+  return check_range(op, "dt_bias", a.dt_bias, H, -kInf, kInf, "dt_bias must be finite");
 }
 
 Status validate_gdn_decode(const StateCache& cache, const GdnDecodeArgs& a) {
   constexpr const char* op = "gdn_decode";
-  if (cache.config().kind != LayerKind::kGdn) {
-    return invalid_argument("gdn_decode on a mamba2 state cache");
-  }
+  REPLAYSSM_RETURN_IF_ERROR(require_kind(cache, LayerKind::kGdn, op));
   REPLAYSSM_RETURN_IF_ERROR(
       validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.slot_ids));
   if (a.batch == 0) return Status::ok();
@@ -141,37 +232,16 @@ Status validate_gdn_decode(const StateCache& cache, const GdnDecodeArgs& a) {
   REPLAYSSM_RETURN_IF_ERROR(require(a.g, op, "g"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.beta, op, "beta"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.o, op, "o"));
-  if (!(a.scale >= 0.0f)) return invalid_argument("gdn_decode: scale must be >= 0");
-  return Status::ok();
-}
-
-Status reset_slot(StateCacheLayout& l, int slot) {
-  const Device dev = l.config.device;
-  const std::int64_t se = l.state_elems();
-  for (int layer = 0; layer < l.config.num_layers; ++layer) {
-    const std::int64_t ls = l.layer_slot(layer, slot);
-    if (l.state != nullptr) {
-      const std::size_t bytes = se * dtype_size(l.config.state_dtype);
-      REPLAYSSM_RETURN_IF_ERROR(memory_zero(dev, static_cast<char*>(l.state) + ls * bytes, bytes));
-    }
-    if (l.ckpt_hi != nullptr) {
-      REPLAYSSM_RETURN_IF_ERROR(memory_zero(dev, l.ckpt_hi + ls * se, se * 4));
-    }
-    if (l.ckpt_lo != nullptr) {
-      const std::size_t bytes = se * dtype_size(l.lo_dtype());
-      REPLAYSSM_RETURN_IF_ERROR(
-          memory_zero(dev, static_cast<char*>(l.ckpt_lo) + ls * bytes, bytes));
-    }
-    if (l.ckpt_lo_scale != nullptr) {
-      REPLAYSSM_RETURN_IF_ERROR(
-          memory_zero(dev, l.ckpt_lo_scale + ls * l.state_rows(), l.state_rows() * 4));
-    }
-    REPLAYSSM_RETURN_IF_ERROR(memory_zero(dev, l.folded + ls, 4));
+  if (!(a.scale >= 0.0f) || !std::isfinite(a.scale)) {
+    return invalid_argument("gdn_decode: scale must be finite and >= 0 (0 = head_k_dim^-1/2)");
   }
-  REPLAYSSM_RETURN_IF_ERROR(memory_zero(dev, l.committed + slot, 4));
-  REPLAYSSM_RETURN_IF_ERROR(memory_zero(dev, l.pending + slot, 1));
-  const std::uint8_t one = 1;
-  return memory_from_host(dev, l.allocated + slot, &one, 1);
+  if (!on_cpu(cache)) return Status::ok();  // device memory: not read on the host
+  const int Hv = cache.config().gdn.num_v_heads;
+  REPLAYSSM_RETURN_IF_ERROR(check_token_range(op, "g", a.g, a.batch, a.num_tokens, Hv,
+                                              a.slot_ids, -kInf, 0.0,
+                                              "g is a log-decay: it must be <= 0 and finite"));
+  return check_token_range(op, "beta", a.beta, a.batch, a.num_tokens, Hv, a.slot_ids, 0.0, 1.0,
+                           "beta must be in [0, 1]");
 }
 
 }  // namespace replayssm

@@ -366,13 +366,12 @@ TEST(GdnCuda, BadDeviceSlotIdsTouchNothing) {
 
 TEST(GdnCuda, UnsupportedConfigsNameWhatIsSupported) {
   SKIP_WITHOUT_GPU();
+  // Refused when the cache is created: no cache is made.
   auto decode_status = [](const StateCacheConfig& cfg) {
-    std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
-    const int slot = testing::allocate_slot(*cache);
-    Rng rng(1);
-    const GdnTokens tk = testing::make_gdn_tokens(cfg.gdn, 1, 1, cfg.input_dtype, Recipe{}, rng);
-    const GdnCall call = testing::make_gdn_call(*cache, 0, {slot}, tk, true, 0.0f);
-    return gdn_decode(*cache, call.args);
+    std::unique_ptr<StateCache> cache;
+    const Status st = state_cache_create(cfg, &cache);
+    EXPECT_FALSE(cache);
+    return st;
   };
   StateCacheConfig k100 = replay_config(CheckpointPrecision::kFp32, 1, 1);
   k100.gdn.head_k_dim = 100;
@@ -432,7 +431,7 @@ TEST(GdnCuda, GraphCapturedStepsMatchStreamExecution) {
     const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
     ASSERT_NO_FATAL_FAILURE(testing::expect_graph_matches_stream(
         *direct, *graphed, slots, accepted, direct_calls, graph_calls, kSteps,
-        [](StateCache& cache, const GdnCall& c) { return gdn_decode(cache, c.args); },
+        [](StateCache& cache, const GdnCall& c, Stream s) { return gdn_decode(cache, c.args, s); },
         [](const GdnCall& c) { return c.o.bytes(); }));
   }
 }

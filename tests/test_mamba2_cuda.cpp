@@ -235,10 +235,18 @@ TEST(Mamba2Cuda, CommitClampsToThePendingWindow) {
   Rng rng(3);
   const Mamba2Layer params = testing::make_mamba2_layer(kSmall, Recipe{}, rng);
   const Mamba2Tokens tk = testing::make_mamba2_tokens(kSmall, 2, 2, DType::kBF16, false, Recipe{}, rng);
-  const Mamba2Call call = testing::make_mamba2_call(*cache, 0, slots, params, tk);
-  ASSERT_TRUE(mamba2_decode(*cache, call.args).is_ok());
+  const Mamba2Call call0 = testing::make_mamba2_call(*cache, 0, slots, params, tk);
+  ASSERT_TRUE(mamba2_decode(*cache, call0.args).is_ok());
   ASSERT_EQ(testing::cursor_pending(*cache, slots[0]), 2);
+  // A window layer 1 has not decoded cannot be committed: the count clamps to 0.
+  ASSERT_TRUE(testing::commit(*cache, slots, {1, 1}).is_ok());
+  EXPECT_EQ(testing::cursor_committed(*cache, slots[0]), 0u);
+  EXPECT_EQ(testing::cursor_pending(*cache, slots[0]), 0);
   // Device-resident counts are not validated on the host: a count past the window is clamped.
+  const Mamba2Call again0 = testing::make_mamba2_call(*cache, 0, slots, params, tk);
+  const Mamba2Call call1 = testing::make_mamba2_call(*cache, 1, slots, params, tk);
+  ASSERT_TRUE(mamba2_decode(*cache, again0.args).is_ok());
+  ASSERT_TRUE(mamba2_decode(*cache, call1.args).is_ok());
   ASSERT_TRUE(testing::commit(*cache, slots, {7, -3}).is_ok());
   EXPECT_EQ(testing::cursor_committed(*cache, slots[0]), 2u);
   EXPECT_EQ(testing::cursor_committed(*cache, slots[1]), 0u);
@@ -275,15 +283,12 @@ TEST(Mamba2Cuda, BadDeviceSlotIdsTouchNothing) {
 
 TEST(Mamba2Cuda, UnsupportedConfigsNameWhatIsSupported) {
   SKIP_WITHOUT_GPU();
-  Rng rng(1);
   StateCacheConfig f16 = replay_config(CheckpointPrecision::kFp32, 1, 1);
   f16.input_dtype = DType::kF16;
-  std::unique_ptr<StateCache> c16 = testing::create_cache(f16);
-  const int s16 = testing::allocate_slot(*c16);
-  const Mamba2Tokens t16 = testing::make_mamba2_tokens(kSmall, 1, 1, DType::kF16, false, Recipe{}, rng);
-  const Mamba2Layer p16 = testing::make_mamba2_layer(kSmall, Recipe{}, rng);
-  const Mamba2Call call16 = testing::make_mamba2_call(*c16, 0, {s16}, p16, t16);
-  const Status st16 = mamba2_decode(*c16, call16.args);
+  // Refused when the cache is created: no cache is made.
+  std::unique_ptr<StateCache> c16;
+  const Status st16 = state_cache_create(f16, &c16);
+  EXPECT_FALSE(c16);
   EXPECT_EQ(st16.code(), StatusCode::kUnsupported);
   EXPECT_NE(st16.message().find("supported: f32, bf16"), std::string::npos) << st16.message();
 }
@@ -319,7 +324,9 @@ TEST(Mamba2Cuda, GraphCapturedStepsMatchStreamExecution) {
     const std::vector<std::int32_t> accepted = {3, 1, 2, 0};
     ASSERT_NO_FATAL_FAILURE(testing::expect_graph_matches_stream(
         *direct, *graphed, slots, accepted, direct_calls, graph_calls, kSteps,
-        [](StateCache& cache, const Mamba2Call& c) { return mamba2_decode(cache, c.args); },
+        [](StateCache& cache, const Mamba2Call& c, Stream s) {
+          return mamba2_decode(cache, c.args, s);
+        },
         [](const Mamba2Call& c) { return c.y.bytes(); }));
   }
 }

@@ -305,13 +305,13 @@ TEST(NumericRounding, Fp8MatchesNearestSearch) {
 TEST(NumericFp8, CpuCodecsMatchTheSharedOnes) {
   for (std::uint64_t i = 0; i <= 0xffffffffull; i += 251) {
     const float f = bits_float(static_cast<std::uint32_t>(i));
-    ASSERT_EQ(cpu::narrow_fp8(f).bits, float_to_fp8e4m3(f).bits) << std::hex << i;
+    ASSERT_EQ(narrow_fp8(f).bits, float_to_fp8e4m3(f).bits) << std::hex << i;
   }
   std::vector<fp8e4m3_t> codes;
   for (int code = 0; code < 256; ++code) {
     if ((code & 0x7f) == 0x7f) continue;  // NaN codes: widen reads them as ±480 by design
     const fp8e4m3_t v{static_cast<std::uint8_t>(code)};
-    ASSERT_EQ(float_bits(cpu::widen(v)), float_bits(to_float(v))) << code;
+    ASSERT_EQ(float_bits(widen(v)), float_bits(to_float(v))) << code;
     codes.push_back(v);
   }
   // The row widener (vectorised where the CPU allows), over a length with a scalar tail.

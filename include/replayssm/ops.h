@@ -17,8 +17,17 @@
 /// Slot ids: a CPU cache rejects an out-of-range, unallocated or repeated id with an error and
 /// writes nothing. On a CUDA cache the ids are device memory: rows whose id is out of range or
 /// not allocated are skipped on the device (nothing of theirs is written or read beyond the id
-/// itself); repeated ids are not detected there. Nothing in a CUDA decode allocates or
-/// synchronises, so whole steps can be captured in a CUDA graph.
+/// itself); repeated ids are not detected there.
+///
+/// A replay layer that already holds an uncommitted window (decoded, not yet committed) must be
+/// committed before it decodes again: a CPU cache refuses such a row with an error; on a CUDA
+/// cache the new window replaces the old one (the committed state is untouched; outputs are
+/// those of a window starting at the committed position).
+///
+/// What a decode checks on the host is only what varies per call (layer, batch, window width,
+/// pointers; on CPU caches the slot ids): everything about the configuration was checked when
+/// the cache was created. Nothing in a CUDA decode allocates or synchronises: its launches are
+/// enqueued on `stream`, so whole steps can be captured in a CUDA graph on the caller's stream.
 
 #include <cstdint>
 
@@ -59,8 +68,9 @@ struct GdnDecodeArgs {
   void* o = nullptr;                       ///< [batch, T, num_v_heads, head_v_dim]  input dtype
 };
 
-Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args);
-Status gdn_decode(StateCache& cache, const GdnDecodeArgs& args);
+Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args,
+                     Stream stream = kDefaultStream);
+Status gdn_decode(StateCache& cache, const GdnDecodeArgs& args, Stream stream = kDefaultStream);
 
 /// Whether this build has the CUDA backend and a usable GPU is present.
 bool cuda_available();

@@ -2,19 +2,33 @@
 /// \file state_cache.h
 /// The per-layer-kind state cache: every decoding sequence owns a slot; a slot holds, for each
 /// of the cache's layers, either the eager state or (replay) the checkpoint copies and the ring
-/// of recent inputs, plus cursors shared by all layers of the slot (ALGORITHM.md §3, §8).
+/// of recent inputs, plus cursors (ALGORITHM.md §3, §8).
 ///
-/// Cursors (all in the cache's memory: host for the CPU backend, device for CUDA):
-///   committed[slot]       absolute position of the next token to commit (shared by layers)
-///   folded[layer][slot]   position through which that layer's checkpoint is folded
-///   pending[slot]         tokens appended by the last decode and not yet committed
+/// Memory. Every buffer a configuration needs is listed by state_cache_buffers() (name, dtype,
+/// shape, bytes, alignment). A cache either owns its buffers (state_cache_create allocates
+/// them) or is a view over buffers the caller allocated and keeps owning
+/// (state_cache_create_view): an engine can keep the state in its own memory pool. Every op
+/// works on both kinds alike. Each buffer's leading axes are [num_layers, capacity] or
+/// [capacity], so everything of slot s (checkpoint copies, ring records, cursors) is addressed
+/// by s in every buffer: copying or swapping a slot is copying or swapping those rows.
+///
+/// Cursors (all in the cache's memory: host for CPU caches, device for CUDA caches):
+///   committed[slot]         absolute position of the next token to commit (shared by layers)
+///   folded[layer][slot]     position through which that layer's checkpoint is folded
+///   pending[layer][slot]    tokens the layer's last decode appended and not yet committed
 /// A layer's ring holds positions folded..committed+pending-1 at index pos & (ring_capacity-1).
 /// Each layer folds its own committed history at the start of a decode when
 /// committed - folded >= buffer_len, so folds need no cross-layer step and no host decision;
 /// every layer of a slot takes the same decision because they share `committed`.
+///
+/// Streams. Every call that touches a CUDA cache's memory takes a Stream (types.h) and orders
+/// its work on it. Calls that must return host data (export) or host decisions (a view that
+/// adopts existing contents) synchronise that stream; the others only enqueue work.
 
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "replayssm/status.h"
@@ -45,12 +59,70 @@ struct StateCacheConfig {
   int max_spec_tokens = 1;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
 
-  [[nodiscard]] StateDims dims() const {
-    return kind == LayerKind::kMamba2 ? state_dims(mamba2) : state_dims(gdn);
-  }
+  [[nodiscard]] StateDims dims() const;
 };
 
+/// Whether some backend of this build can run `config` (shape, dtypes, precision, window width
+/// on its device): kOk, or an error naming what is supported. state_cache_create and
+/// state_cache_create_view refuse what this refuses, so decodes only check what varies per call.
+Status state_cache_can_implement(const StateCacheConfig& config);
+
+// ---- the buffer list ------------------------------------------------------------------------
+
+/// The buffers a cache may have. Which ones a configuration uses: state_cache_buffers().
+enum class CacheBufferId : std::uint8_t {
+  kState,         ///< eager: [layers, capacity, heads, rows, cols]  state_dtype
+  kCkptHi,        ///< replay fp32 master: [layers, capacity, heads, rows, cols]  f32
+  kCkptLo,        ///< replay low copy: [layers, capacity, heads, rows, cols]  bf16 or f8e4m3
+  kCkptLoScale,   ///< fp8 copy's per-row scales: [layers, capacity, heads, rows]  f32
+  kRingVec,       ///< [layers, capacity, ring, heads, rows]  input dtype (Mamba-2 x, GDN v)
+  kRingKey,       ///< [layers, capacity, ring, key_heads, cols]  input dtype (B, raw k)
+  kRingKeyScale,  ///< GDN: [layers, capacity, ring, key_heads]  f32 (k normalisation)
+  kRingWrite,     ///< [layers, capacity, ring, heads]  f32 (Mamba-2 Δ, GDN β)
+  kRingDecay,     ///< [layers, capacity, ring, heads]  f32 (Mamba-2 A·Δ, GDN g)
+  kCommitted,     ///< [capacity]  u32
+  kFolded,        ///< [layers, capacity]  u32
+  kPending,       ///< [layers, capacity]  u8
+  kAllocated,     ///< [capacity]  u8 (1 = the slot is in use)
+};
+inline constexpr int kNumCacheBuffers = 13;
+
+/// "ckpt_hi", "ring_vec", ... (the names used in messages and by the Python package).
+const char* cache_buffer_name(CacheBufferId id);
+
+struct CacheBufferSpec {
+  CacheBufferId id{};
+  const char* name = "";
+  DType dtype = DType::kF32;
+  std::vector<std::int64_t> shape;  ///< leading axes [layers, capacity] or [capacity]
+  std::int64_t bytes = 0;           ///< product(shape) · dtype_size(dtype)
+  std::int64_t alignment = 0;       ///< bytes the start must be aligned to (256 CUDA, 64 CPU)
+  /// Index of the capacity (slot) axis in `shape`: 1 for per-layer buffers, 0 for per-slot ones.
+  int slot_axis = 1;
+};
+
+/// Every buffer `config` needs, in CacheBufferId order; validates the config first.
+Status state_cache_buffers(const StateCacheConfig& config, std::vector<CacheBufferSpec>* out);
+
+/// A caller's buffer for a view: its address (host memory for CPU caches, device memory for
+/// CUDA caches) and usable size in bytes (checked against the spec).
+struct CacheBufferBinding {
+  CacheBufferId id{};
+  void* data = nullptr;
+  std::int64_t bytes = 0;
+};
+
+/// What a view does with the caller's buffers' contents at creation.
+enum class ViewInit : std::uint8_t {
+  kZero,   ///< zero every buffer: all slots free (fresh memory)
+  kAdopt,  ///< keep the contents (a cache moved or rebuilt over the same memory): the slots
+           ///< marked in `allocated` stay allocated, with their state, ring and cursors
+};
+
+// ---- the cache ------------------------------------------------------------------------------
+
 struct StateCacheLayout;  // the raw buffers, shared by the backends (src/state_cache_layout.h)
+struct OwnedCacheMemory;  // the buffers of an owning cache
 
 class StateCache {
  public:
@@ -61,43 +133,62 @@ class StateCache {
   [[nodiscard]] const StateCacheConfig& config() const;
   /// Ring entries per slot and layer: next power of two >= buffer_len + 2*max_spec_tokens - 1.
   /// (Committed history reaches buffer_len - 1 + T before the fold fused into the next decode,
-  /// which then appends its own window of up to T tokens.)
+  /// which then appends its own window of up to T tokens.) 0 for eager caches.
   [[nodiscard]] int ring_capacity() const;
   [[nodiscard]] int free_slots() const;
   [[nodiscard]] bool is_allocated(int slot) const;
-  /// Bytes of device (or host) memory the cache holds.
+  /// Bytes of the cache's buffers (device memory for CUDA caches, host memory for CPU caches).
   [[nodiscard]] std::int64_t bytes() const;
+  /// Whether the cache allocated its buffers (state_cache_create) or views the caller's.
+  [[nodiscard]] bool owns_memory() const;
+  /// The address of one of the cache's buffers, or nullptr when the configuration has none.
+  [[nodiscard]] void* buffer(CacheBufferId id) const;
 
   /// For the backends and tests; not for users.
   [[nodiscard]] StateCacheLayout& layout();
   [[nodiscard]] const StateCacheLayout& layout() const;
 
  private:
-  friend Status state_cache_create(const StateCacheConfig&, std::unique_ptr<StateCache>*);
-  friend Status state_cache_allocate_slot(StateCache&, int*);
-  friend Status state_cache_free_slot(StateCache&, int);
+  friend struct StateCacheAccess;
   StateCache();
   std::unique_ptr<StateCacheLayout> layout_;
-  std::vector<int> free_list_;  // host-side: allocation is a host decision
-  std::vector<std::uint8_t> host_allocated_;  // host mirror of layout_->allocated
+  std::unique_ptr<OwnedCacheMemory> owned_;   // null for a view
+  std::vector<int> free_list_;                // host-side: allocation is a host decision
+  std::vector<std::uint8_t> host_allocated_;  // host mirror of the `allocated` buffer
 };
 
-/// Validates the config and allocates every buffer (zeroed state, empty rings).
-Status state_cache_create(const StateCacheConfig& config, std::unique_ptr<StateCache>* out);
+/// Validates the config (as state_cache_can_implement) and allocates every buffer of
+/// state_cache_buffers() (zeroed: every slot free).
+Status state_cache_create(const StateCacheConfig& config, std::unique_ptr<StateCache>* out,
+                          Stream stream = kDefaultStream);
+
+/// A cache over the caller's buffers, which must outlive it and are not freed by it. `buffers`
+/// binds every buffer of state_cache_buffers(config) exactly once (any order), each at least
+/// the spec's bytes and aligned to its alignment. Refused with nothing written when the config
+/// cannot be run or a binding is missing, repeated, null, short or misaligned.
+Status state_cache_create_view(const StateCacheConfig& config,
+                               std::span<const CacheBufferBinding> buffers, ViewInit init,
+                               std::unique_ptr<StateCache>* out, Stream stream = kDefaultStream);
 
 /// Takes a free slot: zero state in every layer, empty ring, cursors at 0.
-Status state_cache_allocate_slot(StateCache& cache, int* slot);
-Status state_cache_free_slot(StateCache& cache, int slot);
+Status state_cache_allocate_slot(StateCache& cache, int* slot, Stream stream = kDefaultStream);
+/// Takes the given free slot (for an engine that assigns slot ids itself), reset as above.
+Status state_cache_claim_slot(StateCache& cache, int slot, Stream stream = kDefaultStream);
+Status state_cache_free_slot(StateCache& cache, int slot, Stream stream = kDefaultStream);
 
-/// Prefill hand-off: writes a full fp32 state (host memory, [heads, rows, cols]) into one layer
-/// of a slot: the eager state, or S_hi and the rounded S_lo; that layer's ring is emptied.
-/// Only allowed while the slot has no uncommitted window.
-Status state_cache_load_state(StateCache& cache, int layer, int slot, const float* state);
+/// Prefill hand-off: writes a full fp32 state ([heads, rows, cols]; host memory, or for a CUDA
+/// cache also device memory) into one layer of a slot: the eager state, or S_hi and the rounded
+/// S_lo; that layer's ring is emptied. Only allowed while the layer has no uncommitted window.
+/// The state must be finite. Synchronises the stream.
+Status state_cache_load_state(StateCache& cache, int layer, int slot, const float* state,
+                              Stream stream = kDefaultStream);
 
-/// Materialises one layer's current state into host memory as fp32 [heads, rows, cols]: a
-/// replay cache first folds the layer's committed history into its checkpoint (for
-/// preemption and debugging), so this writes the checkpoint.
-Status state_cache_export_state(StateCache& cache, int layer, int slot, float* state);
+/// Materialises one layer's current state as fp32 [heads, rows, cols] into `state` (host
+/// memory, or for a CUDA cache also device memory): a replay cache first folds the layer's
+/// committed history into its checkpoint (for preemption and debugging), so this writes the
+/// checkpoint. Synchronises the stream.
+Status state_cache_export_state(StateCache& cache, int layer, int slot, float* state,
+                                Stream stream = kDefaultStream);
 
 struct CommitArgs {
   int batch = 0;
@@ -106,10 +197,13 @@ struct CommitArgs {
 };
 
 /// Accepts k of the tokens the last decode appended, for every layer at once: committed += k.
-/// Rejected drafts stay in the ring to be overwritten: rollback is a cursor move.
-/// CPU caches reject k outside [0, pending] with an error; CUDA caches, whose counts are device
-/// memory (no host round trip, graph-capturable), clamp k to [0, pending] on the device.
-Status state_cache_commit(StateCache& cache, const CommitArgs& args);
+/// Rejected drafts stay in the ring to be overwritten: rollback is a cursor move. Every layer
+/// must have decoded the window (pending[layer][slot] is the same for all layers).
+/// CPU caches reject k outside [0, pending] and a window some layer did not decode with an
+/// error; CUDA caches, whose counts are device memory (no host round trip, graph-capturable),
+/// clamp k to [0, min over layers of pending] on the device.
+Status state_cache_commit(StateCache& cache, const CommitArgs& args,
+                          Stream stream = kDefaultStream);
 
 struct FoldArgs {
   int batch = 0;
@@ -118,6 +212,6 @@ struct FoldArgs {
 
 /// Folds the committed history of every layer of these slots into their checkpoints now
 /// (decodes also fold by themselves once buffer_len tokens are due). Eager caches: no-op.
-Status state_cache_fold(StateCache& cache, const FoldArgs& args);
+Status state_cache_fold(StateCache& cache, const FoldArgs& args, Stream stream = kDefaultStream);
 
 }  // namespace replayssm

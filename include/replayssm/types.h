@@ -14,7 +14,9 @@
 
 namespace replayssm {
 
-enum class DType : std::uint8_t { kF32, kBF16, kF16, kF8E4M3 };
+/// Element types. Activations and states use the floating-point ones; a cache's cursor and
+/// flag buffers (state_cache_buffers) are kU32 / kU8.
+enum class DType : std::uint8_t { kF32, kBF16, kF16, kF8E4M3, kU8, kU32 };
 enum class Device : std::uint8_t { kCpu, kCuda };
 enum class LayerKind : std::uint8_t { kMamba2, kGdn };
 
@@ -30,8 +32,15 @@ enum class CheckpointPrecision : std::uint8_t {
   kFp32Fp8,   ///< fp32 master for folds + fp8 e4m3 read copy (one scale per state row)
 };
 
+/// The stream an op's device work is ordered on: a `cudaStream_t` cast to `void*` for CUDA
+/// caches (kept opaque so that these headers need no CUDA), ignored by CPU caches. nullptr is
+/// CUDA's default stream, as 0 is in CUDA's own APIs. Ops that launch work only enqueue it
+/// (no host synchronisation), so they can be captured into a CUDA graph on the caller's stream.
+using Stream = void*;
+inline constexpr Stream kDefaultStream = nullptr;
+
 std::size_t dtype_size(DType dtype);
-const char* dtype_name(DType dtype);                 ///< "f32", "bf16", "f16", "f8e4m3"
+const char* dtype_name(DType dtype);  ///< "f32", "bf16", "f16", "f8e4m3", "u8", "u32"
 const char* device_name(Device device);              ///< "cpu", "cuda"
 const char* layer_kind_name(LayerKind kind);         ///< "mamba2", "gdn"
 const char* decode_mode_name(DecodeMode mode);       ///< "eager", "replay"

@@ -7,11 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define REPLAYSSM_HD __host__ __device__ __forceinline__
-#else
-#define REPLAYSSM_HD inline
-#endif
+#include "common/host_device.h"
 
 namespace replayssm {
 

@@ -10,15 +10,17 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__) && defined(__AVX2__) && !defined(__CUDACC__)
-#include <immintrin.h>
-#endif
-
+#include "common/checkpoint_rows.h"
 #include "common/numeric.h"
+#include "cpu/isa.h"
 #include "replayssm/types.h"
 #include "state_cache_layout.h"
 
-namespace replayssm::cpu {
+#if REPLAYSSM_CPU_AVX2
+#include <immintrin.h>
+#endif
+
+REPLAYSSM_CPU_BEGIN
 
 template <typename T>
 struct TypeTag {
@@ -32,54 +34,11 @@ void dispatch_activation(DType dtype, F&& f) {
     case DType::kF32: f(TypeTag<float>{}); return;
     case DType::kBF16: f(TypeTag<bf16_t>{}); return;
     case DType::kF16: f(TypeTag<f16_t>{}); return;
-    case DType::kF8E4M3: return;  // never an activation dtype: rejected at cache creation
+    case DType::kF8E4M3:  // never activation dtypes: rejected at cache creation
+    case DType::kU8:
+    case DType::kU32:
+      return;
   }
-}
-
-/// Addresses of one (layer, slot, head) state block in every checkpoint copy.
-struct CheckpointHead {
-  float* hi = nullptr;        // [rows, cols] fp32 master, or null
-  bf16_t* lo_bf16 = nullptr;  // [rows, cols], or null
-  fp8e4m3_t* lo_fp8 = nullptr;
-  float* lo_scale = nullptr;  // [rows] (fp8 only)
-  int rows = 0;
-  int cols = 0;
-};
-
-inline CheckpointHead checkpoint_head(const StateCacheLayout& l, int layer, int slot, int head) {
-  CheckpointHead c;
-  c.rows = l.dims.rows;
-  c.cols = l.dims.cols;
-  const std::int64_t block = l.layer_slot(layer, slot) * l.state_elems() +
-                             std::int64_t{head} * l.dims.rows * l.dims.cols;
-  if (l.ckpt_hi != nullptr) c.hi = l.ckpt_hi + block;
-  if (l.ckpt_lo != nullptr) {
-    if (l.lo_dtype() == DType::kF8E4M3) {
-      c.lo_fp8 = static_cast<fp8e4m3_t*>(l.ckpt_lo) + block;
-      c.lo_scale = l.ckpt_lo_scale + l.layer_slot(layer, slot) * l.state_rows() +
-                   std::int64_t{head} * l.dims.rows;
-    } else {
-      c.lo_bf16 = static_cast<bf16_t*>(l.ckpt_lo) + block;
-    }
-  }
-  return c;
-}
-
-/// Elementwise fp32 value of a checkpoint element, branch-free so the loops that stream a
-/// checkpoint copy vectorise (fp8: exact for every finite code; the NaN codes, which folds
-/// never write from finite states, read as ±480).
-inline float widen(float v) { return v; }
-inline float widen(bf16_t v) { return to_float(v); }
-inline float widen(fp8e4m3_t v) {
-  const std::uint32_t magnitude = v.bits & 0x7fu;                          // exponent:mantissa
-  const std::uint32_t normal = (magnitude << 20) + (120u << 23);           // rebias 7 -> 127
-  const std::uint32_t subnormal =
-      float_bits(static_cast<float>(magnitude) * 0.001953125f);            // mantissa · 2^-9
-  // Select and sign with bit masks: GCC leaves a ?: here as a branch, which stops the
-  // vectorisation of the loops that stream an fp8 copy.
-  const std::uint32_t is_subnormal = 0u - static_cast<std::uint32_t>(magnitude < 8u);
-  const std::uint32_t sign = std::uint32_t(v.bits & 0x80u) << 24;
-  return bits_float(((subnormal & is_subnormal) | (normal & ~is_subnormal)) | sign);
 }
 
 /// out[i] = widen(codes[i]) for a row. With F16C, eight codes at a time through the hardware
@@ -89,7 +48,7 @@ inline float widen(fp8e4m3_t v) {
 /// fp8 mat-vec compute-bound (as slow as the fp32 one).
 inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
   int i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(__CUDACC__)
+#if REPLAYSSM_CPU_AVX512
   // GCC 12's own _mm512_cvtph_ps trips its -Wmaybe-uninitialized (GCC bug 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -110,7 +69,7 @@ inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
   }
 #pragma GCC diagnostic pop
 #endif
-#if defined(__F16C__) && defined(__AVX2__) && !defined(__CUDACC__)
+#if REPLAYSSM_CPU_AVX2
   const __m128i sign_mask = _mm_set1_epi16(0x80), magnitude_mask = _mm_set1_epi16(0x7f);
   const __m256 bias = _mm256_set1_ps(256.0f);
   for (; i + 8 <= n; i += 8) {
@@ -123,39 +82,6 @@ inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
   }
 #endif
   for (; i < n; ++i) out[i] = widen(codes[i]);
-}
-
-/// fp32 → fp8 e4m3 code, bit-identical to numeric.h's float_to_fp8e4m3 (round to nearest even,
-/// saturating at ±448, NaN to 0x7f) but with the three cases selected by masks instead of
-/// branches, so that the folds' row encoding vectorises (the branchy encoder made fp32+fp8
-/// folds the slowest part of a CPU replay step). Checked against float_to_fp8e4m3 on every
-/// fp32 bit pattern (tests/test_numeric.cpp samples them).
-inline fp8e4m3_t narrow_fp8(float f) {
-  const std::uint32_t u = float_bits(f);
-  const std::uint32_t sign = (u >> 24) & 0x80u;
-  const std::uint32_t a = u & 0x7fffffffu;
-  // Normal range (|f| >= 2^-6): round at mantissa bit 20, rebias 127 -> 7, saturate at 0x7e.
-  const std::uint32_t rounded = (a + 0x7ffffu + ((a >> 20) & 1u) - (120u << 23)) >> 20;
-  const std::uint32_t normal = rounded < 0x7eu ? rounded : 0x7eu;
-  // Subnormal range: |f|·2^9 rounded to an integer by adding 2^23 (the FPU rounds to even).
-  const std::uint32_t subnormal = float_bits(bits_float(a) * 512.0f + 8388608.0f) - 0x4b000000u;
-  const std::uint32_t is_sub = 0u - static_cast<std::uint32_t>(a < 0x3c800000u);
-  const std::uint32_t is_nan = 0u - static_cast<std::uint32_t>(a > 0x7f800000u);
-  const std::uint32_t code = (subnormal & is_sub) | (normal & ~is_sub);
-  return fp8e4m3_t{static_cast<std::uint8_t>(sign | (0x7fu & is_nan) | (code & ~is_nan))};
-}
-
-/// Row r of the copy that outputs read, as fp32: the low copy when there is one, else the fp32
-/// copy. (The hot loop does not call this: it widens inside the dot, see checkpoint_matvec.)
-inline void read_output_row(const CheckpointHead& c, int r, float* out) {
-  const std::int64_t off = std::int64_t{r} * c.cols;
-  if (c.lo_fp8 != nullptr) {
-    for (int i = 0; i < c.cols; ++i) out[i] = widen(c.lo_fp8[off + i]) * c.lo_scale[r];
-  } else if (c.lo_bf16 != nullptr) {
-    for (int i = 0; i < c.cols; ++i) out[i] = widen(c.lo_bf16[off + i]);
-  } else {
-    for (int i = 0; i < c.cols; ++i) out[i] = c.hi[off + i];
-  }
 }
 
 /// Unrolls the next loop (of at most 16 trips) completely. nvcc's front end, which reads this
@@ -427,45 +353,6 @@ inline float* scratch(int which, std::size_t n) {
   return b.data() + ((64 - addr % 64) % 64) / sizeof(float);
 }
 
-/// Row r of the copy that folds update: the fp32 master when there is one (shared bf16 mode
-/// has only the low copy, which is the point of comparing against it).
-inline void read_master_row(const CheckpointHead& c, int r, float* out) {
-  if (c.hi != nullptr) {
-    const std::int64_t off = std::int64_t{r} * c.cols;
-    for (int i = 0; i < c.cols; ++i) out[i] = c.hi[off + i];
-  } else {
-    read_output_row(c, r, out);
-  }
-}
-
-/// Stores a folded fp32 row into every copy: the master as is, the low copy rounded (fp8 with
-/// a fresh per-row scale max|row| / 448, so the row's largest element maps to fp8's largest).
-inline void write_row(const CheckpointHead& c, int r, const float* row) {
-  const std::int64_t off = std::int64_t{r} * c.cols;
-  if (c.hi != nullptr) {
-    for (int i = 0; i < c.cols; ++i) c.hi[off + i] = row[i];
-  }
-  if (c.lo_bf16 != nullptr) {
-    for (int i = 0; i < c.cols; ++i) c.lo_bf16[off + i] = float_to_bf16(row[i]);
-  }
-  if (c.lo_fp8 != nullptr) {
-    // max |row| on the bit patterns (the order of non-negative floats), NaNs skipped as
-    // std::max skips them: this form vectorises, a float max reduction does not (GCC keeps
-    // its NaN order), and the scalar loop was a quarter of an fp32+fp8 fold.
-    std::uint32_t amax_bits = 0;
-    for (int i = 0; i < c.cols; ++i) {
-      const std::uint32_t m = float_bits(row[i]) & 0x7fffffffu;
-      const std::uint32_t is_number = 0u - static_cast<std::uint32_t>(m <= 0x7f800000u);
-      amax_bits = std::max(amax_bits, m & is_number);
-    }
-    const float amax = bits_float(amax_bits);
-    const float scale = amax > 0.0f ? amax / kFp8Max : 1.0f;
-    const float inv = 1.0f / scale;
-    c.lo_scale[r] = scale;
-    for (int i = 0; i < c.cols; ++i) c.lo_fp8[off + i] = narrow_fp8(row[i] * inv);
-  }
-}
-
 /// One ring record of (layer, slot) at absolute position `pos`, typed.
 template <typename input_t>
 struct RingRecord {
@@ -509,7 +396,7 @@ template <typename input_t>
 
 /// Committed tokens of (layer, slot) not yet folded into its checkpoint.
 inline std::uint32_t unfolded(const StateCacheLayout& l, int layer, int slot) {
-  return l.committed[slot] - l.folded[l.layer_slot(layer, slot)];
+  return l.unfolded(layer, slot);
 }
 
 /// The skeleton of every replay decode: decide each row's fold (committed - folded >= L),
@@ -523,9 +410,10 @@ void replay_rows(StateCacheLayout& l, int layer, int num_tokens, const std::int3
                  int batch, int units, Append&& append, Work&& work) {
   const std::vector<ActiveRow> rows = active_rows(slot_ids, batch);
   const int num_rows = static_cast<int>(rows.size());
-  const auto L = static_cast<std::uint32_t>(l.config.buffer_len);
   std::vector<char> fold_due(rows.size());
-  for (int i = 0; i < num_rows; ++i) fold_due[i] = unfolded(l, layer, rows[i].slot) >= L;
+  for (int i = 0; i < num_rows; ++i) {
+    fold_due[i] = l.fold_due(l.unfolded(layer, rows[i].slot), num_tokens);
+  }
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -539,7 +427,7 @@ void replay_rows(StateCacheLayout& l, int layer, int num_tokens, const std::int3
   for (int i = 0; i < num_rows; ++i) {
     const int slot = rows[i].slot;
     if (fold_due[i]) l.folded[l.layer_slot(layer, slot)] = l.committed[slot];
-    l.pending[slot] = static_cast<std::uint8_t>(num_tokens);
+    l.pending[l.layer_slot(layer, slot)] = static_cast<std::uint8_t>(num_tokens);
   }
 }
 
@@ -565,4 +453,4 @@ void fold_heads(const StateCacheLayout& l, int layer, int slot, int head_begin, 
 void fold_head(const StateCacheLayout& l, int layer, int slot, int head, std::uint32_t first,
                std::uint32_t count);
 
-}  // namespace replayssm::cpu
+REPLAYSSM_CPU_END

@@ -10,7 +10,7 @@
 #include "backend.h"
 #include "cpu_common.h"
 
-namespace replayssm::cpu {
+REPLAYSSM_CPU_BEGIN
 
 namespace {
 
@@ -92,7 +92,7 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
       for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(out[r]);
     }
   }
-  for (const ActiveRow& row : rows) l.pending[row.slot] = 1;
+  for (const ActiveRow& row : rows) l.pending[l.layer_slot(a.layer, row.slot)] = 1;
 }
 
 // Appends the window's records: raw k and its normalisation factor per key head, v, β, g.
@@ -227,4 +227,4 @@ void gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
       });
 }
 
-}  // namespace replayssm::cpu
+REPLAYSSM_CPU_END

@@ -8,7 +8,7 @@
 #include "backend.h"
 #include "cpu_common.h"
 
-namespace replayssm::cpu {
+REPLAYSSM_CPU_BEGIN
 
 namespace {
 
@@ -69,7 +69,7 @@ void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
                    y_all + (std::int64_t{row.b} * d.heads + h) * P);
     }
   }
-  for (const ActiveRow& row : rows) l.pending[row.slot] = 1;
+  for (const ActiveRow& row : rows) l.pending[l.layer_slot(a.layer, row.slot)] = 1;
 }
 
 // Appends the window's records: x, B as given; Δ = softplus(dt + dt_bias) and A·Δ in fp32.
@@ -204,4 +204,4 @@ void mamba2_decode(StateCacheLayout& l, const Mamba2DecodeArgs& args) {
       });
 }
 
-}  // namespace replayssm::cpu
+REPLAYSSM_CPU_END

@@ -60,7 +60,7 @@ void commit(StateCacheLayout& l, const CommitArgs& args) {
     const std::int32_t slot = args.slot_ids[b];
     if (slot < 0) continue;
     l.committed[slot] += static_cast<std::uint32_t>(args.accepted[b]);
-    l.pending[slot] = 0;
+    for (int layer = 0; layer < l.config.num_layers; ++layer) l.pending[l.layer_slot(layer, slot)] = 0;
   }
 }
 

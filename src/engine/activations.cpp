@@ -13,7 +13,10 @@ void with_activation_type(DType dtype, Fn&& fn) {
     case DType::kF32: fn(float{}); return;
     case DType::kBF16: fn(bf16_t{}); return;
     case DType::kF16: fn(f16_t{}); return;
-    case DType::kF8E4M3: return;  // not an activation dtype: caches refuse it
+    case DType::kF8E4M3:  // not activation dtypes: caches refuse them
+    case DType::kU8:
+    case DType::kU32:
+      return;
   }
 }
 

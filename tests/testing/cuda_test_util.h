@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/stream.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
 #include "testing/test_util.h"
@@ -24,7 +23,7 @@ namespace replayssm::testing {
 /// A whole decode step (every layer's call and the commit of `accepted`) issued `steps` times
 /// on a stream to `direct`, and captured once into a CUDA graph on `graphed` (a cache of the
 /// same config and slots) and replayed `steps` times: the two caches must end with the same
-/// bytes and every layer's call the same output bytes. decode(cache, call) runs one call;
+/// bytes and every layer's call the same output bytes. decode(cache, call, stream) runs one call;
 /// output_bytes(call) is its output buffer's bytes.
 template <typename Call, typename Decode, typename OutputBytes>
 void expect_graph_matches_stream(StateCache& direct, StateCache& graphed,
@@ -42,24 +41,23 @@ void expect_graph_matches_stream(StateCache& direct, StateCache& graphed,
   commit.accepted = accepted_buf.as<const std::int32_t>();
 
   for (int step = 0; step < steps; ++step) {
-    for (const Call& c : direct_calls) ASSERT_TRUE(decode(direct, c).is_ok());
+    for (const Call& c : direct_calls) ASSERT_TRUE(decode(direct, c, kDefaultStream).is_ok());
     ASSERT_TRUE(state_cache_commit(direct, commit).is_ok());
   }
 
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  // The caches' set-up ran on the default stream, which a non-blocking stream does not wait for.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  {
-    cuda::ScopedLaunchStream on(stream);
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    for (const Call& c : graph_calls) {
-      const Status st = decode(graphed, c);
-      ASSERT_TRUE(st.is_ok()) << st.to_string();
-    }
-    ASSERT_TRUE(state_cache_commit(graphed, commit).is_ok());
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  for (const Call& c : graph_calls) {
+    const Status st = decode(graphed, c, stream);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
+  ASSERT_TRUE(state_cache_commit(graphed, commit, stream).is_ok());
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (int step = 0; step < steps; ++step) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);

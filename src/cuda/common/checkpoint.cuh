@@ -7,7 +7,7 @@
 //   fp32+bf16   hi fp32                     lo bf16
 //   fp32+fp8    hi fp32                     lo e4m3 · scale[row],  scale = max|row| / 448
 //
-// Mirrors src/cpu/cpu_common.h (write_row) element for element, with the row split over a
+// Mirrors common/checkpoint_rows.h (write_row) element for element, with the row split over a
 // lane group (vec.cuh's RowSplit): a fold computes its new fp32 row, `checkpoint_store` writes
 // every copy and hands back the values the read copy now holds, so an output fused after a
 // fold reads exactly what later steps will read. CheckpointHead gives each copy's rows
@@ -15,31 +15,36 @@
 
 #include <cstdint>
 
+#include "common/checkpoint_traits.h"
 #include "common/numeric.h"
 #include "cuda/common/cache.cuh"
+#include "cuda/common/dispatch.cuh"
 #include "cuda/common/vec.cuh"
 #include "replayssm/types.h"
 #include "state_cache_layout.h"
 
 namespace replayssm::cuda {
 
+/// The C++ types of precision P's copies, for templated kernels; the facts come from the
+/// host+device table (common/checkpoint_traits.h).
 template <CheckpointPrecision P>
-struct CheckpointTraits {
-  static constexpr bool kHasHi = P != CheckpointPrecision::kBf16;
-  static constexpr bool kHasLo = P != CheckpointPrecision::kFp32;
-  static constexpr bool kScaled = P == CheckpointPrecision::kFp32Fp8;
+struct CheckpointTypes {
+  static constexpr CheckpointTraits kTraits = checkpoint_traits(P);
+  static constexpr bool kHasHi = kTraits.has_hi;
+  static constexpr bool kHasLo = kTraits.has_lo;
+  static constexpr bool kScaled = kTraits.lo_row_scale;
   /// Whether the master and the read copy are one buffer (fp32, bf16): a step can then start
   /// streaming it before it knows whether a fold is due.
-  static constexpr bool kReadIsMaster = !(kHasHi && kHasLo);
-  using lo_t = std::conditional_t<kScaled, fp8e4m3_t, bf16_t>;
+  static constexpr bool kReadIsMaster = kTraits.shared_copy();
+  using lo_t = dtype_t<kTraits.lo_dtype>;
   using read_t = std::conditional_t<kHasLo, lo_t, float>;
-  using master_t = std::conditional_t<kHasHi, float, bf16_t>;
+  using master_t = std::conditional_t<kHasHi, float, lo_t>;
 };
 
 /// One (layer, slot, head) block [rows, cols] in each checkpoint copy; null where absent.
 template <CheckpointPrecision P>
 struct CheckpointHead {
-  using Traits = CheckpointTraits<P>;
+  using Traits = CheckpointTypes<P>;
   using lo_t = typename Traits::lo_t;
   float* hi = nullptr;
   lo_t* lo = nullptr;
@@ -48,7 +53,7 @@ struct CheckpointHead {
 
   __device__ __forceinline__ CheckpointHead(const StateCacheLayout& l, int layer, int slot,
                                             int head) {
-    const std::int64_t ls = layer_slot(l, layer, slot);
+    const std::int64_t ls = l.layer_slot(layer, slot);
     const std::int64_t block = ls * l.dims.heads * l.dims.rows * l.dims.cols +
                                std::int64_t{head} * l.dims.rows * l.dims.cols;
     cols = l.dims.cols;
@@ -77,7 +82,7 @@ struct CheckpointHead {
 };
 
 /// Stores a folded fp32 row (this lane's values v, in order_t's layout) into every copy, as
-/// cpu::write_row: the master as is, the low copy rounded (fp8 with a fresh per-row scale
+/// write_row (common/checkpoint_rows.h): the master as is, the low copy rounded (fp8 with a fresh per-row scale
 /// max|row| / 448, 1 for an all-zero row). Then v holds what the read copy holds now.
 /// Every lane of the warp must call it (the fp8 row max is a group shuffle); lanes with
 /// `active` false (rows past the head) store nothing. The family's kernels supply how a
@@ -90,7 +95,7 @@ __device__ __forceinline__ void checkpoint_store_with(const CheckpointHead<P>& c
                                                       float (&v)[Split::kPerLane],
                                                       int lane, StoreRow store_row,
                                                       Unpack unpack) {
-  using Traits = CheckpointTraits<P>;
+  using Traits = CheckpointTypes<P>;
   using lo_t = typename Traits::lo_t;
   constexpr int kN = Split::kPerLane;
   if constexpr (Traits::kHasHi) {

@@ -1,6 +1,6 @@
-// The CUDA backend's Gated DeltaNet entry points (backend.h): cuda::gdn_decode and
-// cuda::gdn_fold. Arguments arrive validated (validate.cpp); what is checked here is only what
-// this build's kernels can do, against the lists in gdn_params.cuh.
+// The CUDA backend's Gated DeltaNet entry points (backend.h, families.h): what this build
+// supports (checked once, when a cache is created, against the lists in gdn_params.cuh),
+// cuda::gdn_decode and the folds. Arguments arrive validated (validate.cpp).
 
 #include <cuda_runtime.h>
 
@@ -9,9 +9,11 @@
 #include <string>
 
 #include "backend.h"
-#include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
+#include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
+#include "cuda/common/stream.cuh"
+#include "cuda/families.h"
 #include "cuda/gdn/gdn_launch.h"
 #include "cuda/gdn/gdn_params.cuh"
 
@@ -21,49 +23,55 @@ namespace gdn {
 
 namespace {
 
-struct DeviceLimits {
-  int sms = 0;
-  int smem_per_block = 0;
-};
-
-// Read once per device: cudaDeviceGetAttribute is cheap but not free, and is called on every
-// decode (also inside graph capture, where it is allowed).
-DeviceLimits device_limits() {
-  static thread_local int cached_device = -1;
-  static thread_local DeviceLimits cached;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return {132, 48 * 1024};
-  if (device != cached_device) {
-    cudaDeviceGetAttribute(&cached.sms, cudaDevAttrMultiProcessorCount, device);
-    cudaDeviceGetAttribute(&cached.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                           device);
-    cached_device = device;
-  }
-  return cached;
-}
+Status check_launch_shape(int batch) { return check_grid_rows(batch, "gdn CUDA decode"); }
 
 }  // namespace
 
-Status can_implement(const StateCacheLayout& l, int num_tokens) {
-  const StateCacheConfig& c = l.config;
-  REPLAYSSM_RETURN_IF_ERROR(ActivationDTypes::dispatch(
-      c.input_dtype, "gdn input dtype", [](auto) { return Status::ok(); }));
-  if (c.mode == DecodeMode::kEager) {
-    REPLAYSSM_RETURN_IF_ERROR(EagerStateDTypes::dispatch(
-        c.state_dtype, "gdn eager state dtype", [](auto) { return Status::ok(); }));
-  } else {
-    REPLAYSSM_RETURN_IF_ERROR(CheckpointPrecisions::dispatch(
-        c.checkpoint, "gdn checkpoint precision", [](auto) { return Status::ok(); }));
+Status uses_generic_kernels(const StateCacheConfig& c, bool* generic) {
+  const StateDims d = c.dims();
+  *generic = !HeadKDims::contains(d.cols) || d.rows > kMaxHeadVDim;
+  if (*generic || c.mode == DecodeMode::kEager) return Status::ok();
+  *generic = c.max_spec_tokens > WindowWidths::max();
+  if (*generic) return Status::ok();
+  DeviceLimits limits;
+  REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
+  // The widest window needs the most staging.
+  *generic = replay_smem(c, c.max_spec_tokens).bytes > limits.smem_per_block;
+  return Status::ok();
+}
+
+Status can_implement(const StateCacheConfig& c) {
+  const StateDims d = c.dims();
+  if (!ActivationDTypes::contains(c.input_dtype)) {
+    return ActivationDTypes::error(c.input_dtype, "gdn input dtype");
   }
-  REPLAYSSM_RETURN_IF_ERROR(HeadKDims::dispatch(l.dims.cols, "gdn head_k_dim",
-                                                [](auto) { return Status::ok(); }));
-  if (l.dims.rows > kMaxHeadVDim) {
-    return unsupported("unsupported gdn head_v_dim " + std::to_string(l.dims.rows) +
-                       "; supported: 1 to " + std::to_string(kMaxHeadVDim));
+  if (d.cols > kGenericMaxK) {
+    return unsupported("unsupported gdn head_k_dim " + std::to_string(d.cols) +
+                       "; supported: 1 to " + std::to_string(kGenericMaxK));
   }
-  if (num_tokens > 0) {
-    REPLAYSSM_RETURN_IF_ERROR(WindowWidths::dispatch(num_tokens, "gdn window (num_tokens)",
-                                                     [](auto) { return Status::ok(); }));
+  switch (c.mode) {
+    case DecodeMode::kEager:
+      if (!EagerStateDTypes::contains(c.state_dtype)) {
+        return EagerStateDTypes::error(c.state_dtype, "gdn eager state dtype");
+      }
+      return Status::ok();
+    case DecodeMode::kReplay: break;
+  }
+  if (!CheckpointPrecisions::contains(c.checkpoint)) {
+    return CheckpointPrecisions::error(c.checkpoint, "gdn checkpoint precision");
+  }
+  bool generic = false;
+  REPLAYSSM_RETURN_IF_ERROR(uses_generic_kernels(c, &generic));
+  if (!generic) return Status::ok();
+  DeviceLimits limits;
+  REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
+  const int bytes = generic_smem_bytes(c, c.max_spec_tokens);
+  if (bytes > limits.smem_per_block) {
+    return unsupported("gdn CUDA replay needs " + std::to_string(bytes) +
+                       " bytes of shared memory per block for this cache's head_k_dim, "
+                       "buffer_len and max_spec_tokens (one coefficient per record: "
+                       "buffer_len - 1 + 2·max_spec_tokens); the device gives " +
+                       std::to_string(limits.smem_per_block) + " (use a shorter buffer_len)");
   }
   return Status::ok();
 }
@@ -83,9 +91,9 @@ GdnInputs input_args(const GdnDecodeArgs& a, int head_k_dim) {
   return in;
 }
 
-RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule) {
+RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms) {
   // Enough CTAs for every SM to hold several: a replay CTA is latency-bound (gdn_params.cuh).
-  const int want_ctas = 8 * device_limits().sms;
+  const int want_ctas = 8 * sms;
   const int ctas = std::max(1, batch * num_k_heads);
   const int max_splits = std::max(1, (group_rows + granule - 1) / granule);
   int splits = std::clamp((want_ctas + ctas - 1) / ctas, 1, max_splits);
@@ -96,28 +104,34 @@ RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule) {
   return t;
 }
 
-Status check_smem(int bytes, const char* what) {
-  const int limit = device_limits().smem_per_block;
-  if (bytes <= limit) return Status::ok();
-  return unsupported(std::string(what) + " needs " + std::to_string(bytes) +
-                     " bytes of shared memory per block for this cache's buffer_len and "
-                     "max_spec_tokens (ring records staged: buffer_len - 1 + 2·max_spec_tokens)"
-                     "; the device gives " + std::to_string(limit));
+Status fold_layers(StateCacheLayout& cache, int first_layer, int num_layers,
+                   const std::int32_t* slot_ids, int batch, cudaStream_t stream) {
+  if (cache.config.mode == DecodeMode::kEager || batch == 0) return Status::ok();
+  REPLAYSSM_RETURN_IF_ERROR(check_launch_shape(batch));
+  ReplayWork work;
+  work.slot_ids = slot_ids;
+  work.batch = batch;
+  work.first_layer = first_layer;
+  work.num_layers = num_layers;
+  bool generic = false;
+  REPLAYSSM_RETURN_IF_ERROR(uses_generic_kernels(cache.config, &generic));
+  return generic ? launch_generic(cache, work, stream) : launch_replay(cache, work, stream);
 }
 
 }  // namespace gdn
 
-Status gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
-  REPLAYSSM_RETURN_IF_ERROR(gdn::can_implement(l, args.num_tokens));
-  if (args.batch == 0) return Status::ok();
-  if (l.config.mode == DecodeMode::kEager) return gdn::launch_eager(l, args);
-  return gdn::launch_replay(l, &args, nullptr);
-}
-
-Status gdn_fold(StateCacheLayout& l, const FoldArgs& args) {
-  if (l.config.mode == DecodeMode::kEager || args.batch == 0) return Status::ok();
-  REPLAYSSM_RETURN_IF_ERROR(gdn::can_implement(l, 0));
-  return gdn::launch_replay(l, nullptr, &args);
+Status gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args, Stream s) {
+  REPLAYSSM_RETURN_IF_ERROR(gdn::check_launch_shape(args.batch));
+  gdn::ReplayWork work;
+  work.decode = &args;
+  work.slot_ids = args.slot_ids;
+  work.batch = args.batch;
+  work.first_layer = args.layer;
+  bool generic = false;
+  REPLAYSSM_RETURN_IF_ERROR(gdn::uses_generic_kernels(l.config, &generic));
+  if (generic) return gdn::launch_generic(l, work, to_cuda(s));
+  if (l.config.mode == DecodeMode::kEager) return gdn::launch_eager(l, args, to_cuda(s));
+  return gdn::launch_replay(l, work, to_cuda(s));
 }
 
 }  // namespace replayssm::cuda

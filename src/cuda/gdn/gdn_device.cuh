@@ -137,7 +137,7 @@ __device__ __forceinline__ void gather_key(const input_t* key, int lane, int col
 }
 
 /// checkpoint_store (checkpoint.cuh) restricted to the columns [0, cols): writes a folded fp32
-/// row into every copy of the checkpoint as cpu::write_row does, and leaves in v the values
+/// row into every copy of the checkpoint as write_row (common/checkpoint_rows.h) does, and leaves in v the values
 /// the read copy now holds. Every lane of the warp must call it (fp8's row max shuffles).
 template <CheckpointPrecision P, typename order_t>
 __device__ __forceinline__ void checkpoint_store_cols(const CheckpointHead<P>& c, int row,

@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kEagerThreads, kEagerMinBlocks)
 
   const int lane = threadIdx.x % kRowLanes;
   const int rg = threadIdx.x / kRowLanes;
-  const std::int64_t ls = layer_slot(l, p.layer, slot);
+  const std::int64_t ls = l.layer_slot(p.layer, slot);
   // Rows of the key head's G value heads are contiguous: row r is head hk·G + r / V.
   state_t* S = static_cast<state_t*>(l.state) +
                (ls * Hv + std::int64_t{hk} * G) * V * K;
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kEagerThreads, kEagerMinBlocks)
     for (int i = 0; i < kWalkPerLane; ++i) dst[wl + 32 * i] = xq[i];
   }
   if (!allocated) return;  // a free slot: nothing written
-  if (hk == 0 && split == 0 && threadIdx.x == 0) l.pending[slot] = 1;
+  if (hk == 0 && split == 0 && threadIdx.x == 0) l.pending[l.layer_slot(p.layer, slot)] = 1;
   __syncthreads();
 
   // Every lane runs every row slot (on zeros past the end): the row reductions shuffle over
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kEagerThreads, kEagerMinBlocks)
 
 }  // namespace
 
-Status launch_eager(StateCacheLayout& l, const GdnDecodeArgs& args) {
+Status launch_eager(StateCacheLayout& l, const GdnDecodeArgs& args, cudaStream_t stream) {
   EagerParams p;
   p.cache = l;
   p.in = input_args(args, l.dims.cols);
@@ -149,7 +149,7 @@ Status launch_eager(StateCacheLayout& l, const GdnDecodeArgs& args) {
     using input_t = dtype_t<in.value>;
     return EagerStateDTypes::dispatch(l.config.state_dtype, "eager state dtype", [&](auto st) {
       using state_t = dtype_t<st.value>;
-      gdn_eager_kernel<input_t, state_t><<<grid, kEagerThreads, 0, launch_stream()>>>(p);
+      gdn_eager_kernel<input_t, state_t><<<grid, kEagerThreads, 0, stream>>>(p);
       REPLAYSSM_CUDA_CHECK_LAUNCH("gdn_eager_kernel");
       return Status::ok();
     });

@@ -2,6 +2,10 @@
 // Host side of the GDN kernels: what gdn_decode.cu (the backend entry points) calls in
 // gdn_eager.cu and gdn_replay.cu, and the launch-shape helpers they share.
 
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
 #include "replayssm/status.h"
@@ -10,25 +14,48 @@
 
 namespace replayssm::cuda::gdn {
 
-/// kOk when this build has kernels for the cache's shape, dtypes and a window of
-/// `num_tokens` (0: an explicit fold), else kUnsupported naming what is supported.
-Status can_implement(const StateCacheLayout& cache, int num_tokens);
-
 /// The decode's inputs as the kernels take them (q_scale resolved as the CPU backend does).
 GdnInputs input_args(const GdnDecodeArgs& args, int head_k_dim);
 
 /// Splits a key head's rows over several CTAs when batch·num_k_heads CTAs would leave SMs
-/// idle (small batches); `granule` rows at least per CTA.
-RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule);
+/// idle (small batches); `granule` rows at least per CTA; `sms` the device's.
+RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms);
 
-/// kUnsupported when a CTA would need more shared memory than the device gives one.
-Status check_smem(int bytes, const char* what);
+/// The shared memory of a replay block for a window of `num_tokens` (0: a fold).
+ReplaySmem replay_smem(const StateCacheConfig& config, int num_tokens);
+
+/// What one replay launch serves: one layer's decode (`decode` set), or a fold of layers
+/// [first_layer, first_layer + num_layers) of the rows' slots (`decode` null).
+struct ReplayWork {
+  const GdnDecodeArgs* decode = nullptr;
+  const std::int32_t* slot_ids = nullptr;
+  int batch = 0;
+  int first_layer = 0;
+  int num_layers = 1;
+};
+
+/// The generic kernels (gdn_generic.cu) hold a state row over a warp, kGenericPerLane columns
+/// per lane: any head_k_dim up to kGenericMaxK.
+constexpr int kGenericMaxK = 512;
+constexpr int kGenericPerLane = kGenericMaxK / 32;
+
+/// Whether a cache takes the generic kernels: a head size, window width or staging the tuned
+/// kernels are not built for (the tuned ones: head_k_dim in HeadKDims, head_v_dim up to
+/// kMaxHeadVDim, windows in WindowWidths, staging within the device's shared memory).
+Status uses_generic_kernels(const StateCacheConfig& config, bool* generic);
+
+/// Shared memory of a generic replay block for a window of `num_tokens` (0: a fold).
+int generic_smem_bytes(const StateCacheConfig& config, int num_tokens);
+
+/// Decode of one layer (eager or replay) or a fold of layers on the generic kernels, then the
+/// cursor moves (advance_folded).
+Status launch_generic(StateCacheLayout& cache, const ReplayWork& work, cudaStream_t stream);
 
 /// Eager decode of one layer (T = 1): the state is updated in place.
-Status launch_eager(StateCacheLayout& cache, const GdnDecodeArgs& args);
+Status launch_eager(StateCacheLayout& cache, const GdnDecodeArgs& args, cudaStream_t stream);
 
-/// Replay decode of one layer (args, fold null) or explicit fold of every layer of the slots
-/// (fold, args null); then the cursor move (advance_folded).
-Status launch_replay(StateCacheLayout& cache, const GdnDecodeArgs* args, const FoldArgs* fold);
+/// Replay decode of one layer or a fold of layers (ReplayWork), then the cursor moves
+/// (advance_folded).
+Status launch_replay(StateCacheLayout& cache, const ReplayWork& work, cudaStream_t stream);
 
 }  // namespace replayssm::cuda::gdn

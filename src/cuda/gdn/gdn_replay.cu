@@ -32,6 +32,7 @@
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/checkpoint.cuh"
+#include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/gdn/gdn_device.cuh"
 #include "cuda/gdn/gdn_launch.h"
@@ -81,7 +82,7 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
   for (int i = threadIdx.x; i < hist * per_record; i += blockDim.x) {
     const int j = i / per_record;
     const int c = i - j * per_record;
-    const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+    const std::int64_t rec = l.ring_record(layer, slot, first + std::uint32_t(j));
     if (c < key_chunks) {
       cp_async16(s_key + (j * K) * in + c * 16,
                  ring_key + ((rec * Hk + hk) * K) * in + c * 16);
@@ -96,7 +97,7 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
     for (int i = threadIdx.x; i < hist * n; i += blockDim.x) {
       const int j = i / n;
       const int e = i - j * n;
-      const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+      const std::int64_t rec = l.ring_record(layer, slot, first + std::uint32_t(j));
       reinterpret_cast<input_t*>(s_vec)[j * p.smem.vec_stride + e] =
           static_cast<const input_t*>(l.ring_vec)[(rec * Hv + h0) * V + e];
     }
@@ -104,12 +105,12 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
   for (int i = threadIdx.x; i < hist * G; i += blockDim.x) {
     const int j = i / G;
     const int h = i - j * G;
-    const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+    const std::int64_t rec = l.ring_record(layer, slot, first + std::uint32_t(j));
     s_alpha[i] = expf(l.ring_decay[rec * Hv + h0 + h]);
     s_beta[i] = l.ring_write[rec * Hv + h0 + h];
   }
   for (int j = threadIdx.x; j < hist; j += blockDim.x) {
-    const std::int64_t rec = ring_record(l, layer, slot, first + std::uint32_t(j));
+    const std::int64_t rec = l.ring_record(layer, slot, first + std::uint32_t(j));
     s_kscale[j] = l.ring_key_scale[rec * Hk + hk];
   }
 }
@@ -146,7 +147,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
       float x[kWalkPerLane];
       const float factor = load_l2norm_factor_warp(src, K, lane, x);
       const float key_scale = in.qk_l2norm ? factor : 1.0f;
-      const std::int64_t rec = ring_record(l, layer, slot, committed + std::uint32_t(t));
+      const std::int64_t rec = l.ring_record(layer, slot, committed + std::uint32_t(t));
 #pragma unroll
       for (int i = 0; i < kWalkPerLane; ++i) {
         const int c = lane + 32 * i;
@@ -176,7 +177,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
     const input_t x = static_cast<const input_t*>(in.v)[((std::int64_t{b} * T + t) * Hv + h0) * V + e];
     s_vec[(hist + t) * p.smem.vec_stride + e] = x;
     if (append) {
-      const std::int64_t rec = ring_record(l, layer, slot, committed + std::uint32_t(t));
+      const std::int64_t rec = l.ring_record(layer, slot, committed + std::uint32_t(t));
       ring_vec[(rec * Hv + h0) * V + e] = x;
     }
   }
@@ -188,7 +189,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
     s_f[p.smem.alpha + (hist + t) * G + h] = expf(g);
     s_f[p.smem.beta + (hist + t) * G + h] = beta;
     if (append) {
-      const std::int64_t rec = ring_record(l, layer, slot, committed + std::uint32_t(t));
+      const std::int64_t rec = l.ring_record(layer, slot, committed + std::uint32_t(t));
       l.ring_decay[rec * Hv + h0 + h] = g;
       l.ring_write[rec * Hv + h0 + h] = beta;
     }
@@ -279,7 +280,7 @@ __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int b, int h
 template <typename input_t, CheckpointPrecision P>
 __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     gdn_replay_kernel(const __grid_constant__ ReplayParams p) {
-  using Traits = CheckpointTraits<P>;
+  using Traits = CheckpointTypes<P>;
   using read_t = typename Traits::read_t;
   using master_t = typename Traits::master_t;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   const int hk = blockIdx.x / p.tiling.splits;
   const int split = blockIdx.x - hk * p.tiling.splits;
   const int b = blockIdx.y;
-  const int layer = T == 0 ? int(blockIdx.z) : p.layer;
+  const int layer = p.layer + int(blockIdx.z);  // z > 0 only for folds of several layers
   const int slot = slot_in_range(l, p.in.slot_ids, b);
   if (slot < 0) return;  // pad row or bad id: nothing read or written
   const int group_rows = G * V;
@@ -325,23 +326,23 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   if (T > 0) load_pass(row_begin);
 
   // Cursors, all three loads in flight together.
-  const std::int64_t ls = layer_slot(l, layer, slot);
+  const std::int64_t ls = l.layer_slot(layer, slot);
   const bool allocated = slot_allocated(l, slot);
   const std::uint32_t committed = l.committed[slot];
   const std::uint32_t first = l.folded[ls];
   if (!allocated) return;  // a free slot: nothing written
   const std::uint32_t unfolded_count = committed - first;
-  const bool fold = fold_due(l, unfolded_count, T);
+  const bool fold = l.fold_due(unfolded_count, T);
   if (T == 0 && !fold) return;
   // Clamped so that corrupt cursors cannot index past the staging (cache.cuh).
-  const int hist = int(min(unfolded_count, std::uint32_t(max_history(l))));
+  const int hist = int(min(unfolded_count, std::uint32_t(l.max_history())));
   const int h_lo = row_begin / V, h_hi = (row_end - 1) / V;
 
   // Phase 1.
   stage_history<input_t>(p, layer, slot, hk, first, hist, h_lo, h_hi, smem);
   if (T > 0) stage_window<input_t>(p, layer, slot, hk, b, committed, hist, split == 0, smem);
   if (T > 0 && hk == 0 && split == 0 && threadIdx.x == 0) {
-    l.pending[slot] = static_cast<std::uint8_t>(T);
+    l.pending[l.layer_slot(layer, slot)] = static_cast<std::uint8_t>(T);
   }
   cp_async_wait_all();
   __syncthreads();
@@ -439,59 +440,64 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 }
 
 template <typename input_t, CheckpointPrecision P>
-Status launch(ReplayParams p, int batch) {
-  using read_t = typename CheckpointTraits<P>::read_t;
+Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
+  using read_t = typename CheckpointTypes<P>::read_t;
   const int group_rows = p.heads_per_key * p.cache.dims.rows;
+  DeviceLimits limits;
+  REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
   p.tiling = row_tiling(batch, p.cache.dims.key_heads, group_rows,
-                        kRowGroups * kOutputRows<read_t>);
-  const dim3 grid(p.cache.dims.key_heads * p.tiling.splits, batch,
-                  p.num_tokens == 0 ? p.cache.config.num_layers : 1);
+                        kRowGroups * kOutputRows<read_t>, limits.sms);
+  const dim3 grid(p.cache.dims.key_heads * p.tiling.splits, batch, num_layers);
   auto kernel = gdn_replay_kernel<input_t, P>;
   if (p.smem.bytes > 48 * 1024) {
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
   }
-  kernel<<<grid, kThreads, p.smem.bytes, launch_stream()>>>(p);
+  kernel<<<grid, kThreads, p.smem.bytes, stream>>>(p);
   REPLAYSSM_CUDA_CHECK_LAUNCH("gdn_replay_kernel");
   return Status::ok();
 }
 
 }  // namespace
 
-Status launch_replay(StateCacheLayout& l, const GdnDecodeArgs* args, const FoldArgs* fold) {
+ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
+  const StateDims d = c.dims();
+  return ReplaySmem::make(num_tokens, d.heads_per_key(), d.cols, d.rows,
+                          max_history(c.buffer_len, c.max_spec_tokens) + num_tokens,
+                          static_cast<int>(dtype_size(c.input_dtype)));
+}
+
+Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t stream) {
   const StateCacheConfig& c = l.config;
   ReplayParams p;
   p.cache = l;
   p.heads_per_key = l.dims.heads / l.dims.key_heads;
   const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key;
   const int in_size = static_cast<int>(dtype_size(c.input_dtype));
-  int batch = 0;
-  if (args != nullptr) {
-    batch = args->batch;
-    p.num_tokens = args->num_tokens;
-    p.layer = args->layer;
-    p.in = input_args(*args, K);
+  const int batch = work.batch;
+  p.layer = work.first_layer;
+  if (work.decode != nullptr) {
+    p.num_tokens = work.decode->num_tokens;
+    p.in = input_args(*work.decode, K);
   } else {
-    batch = fold->batch;
     p.num_tokens = 0;
-    p.in.slot_ids = fold->slot_ids;
+    p.in.slot_ids = work.slot_ids;
   }
   const int T = p.num_tokens;
-  p.records = c.buffer_len - 1 + c.max_spec_tokens + T;
-  p.smem = ReplaySmem::make(T, G, K, V, p.records, in_size);
-  REPLAYSSM_RETURN_IF_ERROR(check_smem(p.smem.bytes, "gdn replay"));
+  const int num_layers = T > 0 ? 1 : work.num_layers;
+  p.smem = replay_smem(c, T);
+  p.records = max_history(c.buffer_len, c.max_spec_tokens) + T;
   const std::int64_t vec_run = std::int64_t{G} * V * in_size;
   p.vec_async = vec_run % 16 == 0 && (std::int64_t{l.dims.heads} * V * in_size) % 16 == 0;
 
   REPLAYSSM_RETURN_IF_ERROR(ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     using input_t = dtype_t<in.value>;
     return CheckpointPrecisions::dispatch(c.checkpoint, "checkpoint precision", [&](auto ck) {
-      return launch<input_t, ck.value>(p, batch);
+      return launch<input_t, ck.value>(p, batch, num_layers, stream);
     });
   }));
-  if (T > 0) return advance_folded(l, p.layer, p.in.slot_ids, batch, T);
-  for (int layer = 0; layer < c.num_layers; ++layer) {
-    REPLAYSSM_RETURN_IF_ERROR(advance_folded(l, layer, p.in.slot_ids, batch, 0));
+  for (int layer = p.layer; layer < p.layer + num_layers; ++layer) {
+    REPLAYSSM_RETURN_IF_ERROR(advance_folded(l, layer, p.in.slot_ids, batch, T, stream));
   }
   return Status::ok();
 }

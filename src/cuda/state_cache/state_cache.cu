@@ -1,10 +1,12 @@
 // The CUDA backend's state-cache operations (src/backend.h) for both layer kinds:
+//   can_implement            which layer family's kernels judge a configuration;
 //   commit, advance_folded   cursor moves on the device (graph-capturable, no host copy);
-//   fold                     dispatch to the layer kind's fold kernel;
+//   fold                     the layer family's fold;
 //   load_state, export_state the prefill hand-off and materialisation: whole-state copies
-//                            with dtype conversion on the host, through cpu_common.h's row
-//                            helpers so that a CUDA cache rounds its checkpoint copies (bf16,
-//                            fp8 + per-row scale) exactly as a CPU cache does.
+//                            with dtype conversion on the host, through the row helpers of
+//                            common/checkpoint_rows.h, so that a CUDA cache rounds its
+//                            checkpoint copies (bf16, fp8 + per-row scale) exactly as a CPU
+//                            cache does.
 
 #include <cuda_runtime.h>
 
@@ -13,13 +15,15 @@
 #include <vector>
 
 #include "backend.h"
+#include "common/checkpoint_rows.h"
 #include "common/numeric.h"
-#include "cpu/cpu_common.h"
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/dispatch.cuh"
-#include "cuda/mamba2/params.cuh"
+#include "cuda/common/stream.cuh"
+#include "cuda/families.h"
 #include "cuda/state_cache/cursors.cuh"
+#include "validate.h"
 
 namespace replayssm::cuda {
 
@@ -36,19 +40,24 @@ struct CommitParams {
   const std::int32_t* accepted;
 };
 
-// committed += k, pending = 0. k is clamped to [0, pending]: the CPU backend rejects anything
-// else up front, but device-resident counts cannot be checked without a host round trip, and
-// a bad count must not move a cursor past the ring.
+// committed += k, pending = 0 in every layer. k is clamped to [0, the fewest tokens any layer
+// decoded]: the CPU backend rejects anything else up front, but device-resident counts cannot
+// be checked without a host round trip, and a bad count must not move a cursor past the ring
+// or over a record some layer never wrote.
 __global__ void commit_kernel(const __grid_constant__ CommitParams p) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= p.batch) return;
   const StateCacheLayout& l = p.cache;
   const int slot = resolve_slot(l, p.slot_ids, b);
   if (slot < 0) return;
-  const int pending = l.pending[slot];
+  int pending = 255;
+  for (int layer = 0; layer < l.config.num_layers; ++layer) {
+    const std::int64_t ls = l.layer_slot(layer, slot);
+    pending = min(pending, int(l.pending[ls]));
+    l.pending[ls] = 0;
+  }
   const int k = std::min(std::max(p.accepted[b], 0), pending);
   l.committed[slot] += static_cast<std::uint32_t>(k);
-  l.pending[slot] = 0;
 }
 
 struct AdvanceParams {
@@ -65,22 +74,16 @@ __global__ void advance_folded_kernel(const __grid_constant__ AdvanceParams p) {
   const StateCacheLayout& l = p.cache;
   const int slot = resolve_slot(l, p.slot_ids, b);
   if (slot < 0) return;
-  if (fold_due(l, unfolded(l, p.layer, slot), p.num_tokens)) {
-    l.folded[layer_slot(l, p.layer, slot)] = l.committed[slot];
+  if (l.fold_due(l.unfolded(p.layer, slot), p.num_tokens)) {
+    l.folded[l.layer_slot(p.layer, slot)] = l.committed[slot];
   }
 }
 
-// Host <-> device copies on the launch stream, so that they order against the kernels.
-Status copy_to_host(void* dst, const void* src, std::size_t bytes) {
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, launch_stream()));
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(launch_stream()));
-  return Status::ok();
-}
-Status copy_to_device(void* dst, const void* src, std::size_t bytes) {
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, launch_stream()));
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(launch_stream()));
+// Host <-> device copies on the caller's stream, so that they order against the kernels; the
+// host side may be pageable. Either side may also be device memory (cudaMemcpyDefault).
+Status copy_sync(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return Status::ok();
 }
 
@@ -93,16 +96,14 @@ struct HostCheckpoint {
 
   explicit HostCheckpoint(const StateCacheLayout& l) {
     const std::size_t n = static_cast<std::size_t>(l.state_elems());
-    if (l.has_hi()) hi.resize(n);
-    if (l.has_lo() && l.lo_dtype() == DType::kBF16) lo_bf16.resize(n);
-    if (l.has_lo() && l.lo_dtype() == DType::kF8E4M3) {
-      lo_fp8.resize(n);
-      scale.resize(static_cast<std::size_t>(l.state_rows()));
-    }
+    if (l.ckpt.has_hi) hi.resize(n);
+    if (l.ckpt.has_lo && l.ckpt.lo_dtype == DType::kBF16) lo_bf16.resize(n);
+    if (l.ckpt.has_lo && l.ckpt.lo_dtype == DType::kF8E4M3) lo_fp8.resize(n);
+    if (l.ckpt.lo_row_scale) scale.resize(static_cast<std::size_t>(l.state_rows()));
   }
-  // cpu_common.h's view of head h of this staging.
-  cpu::CheckpointHead head(const StateCacheLayout& l, int h) {
-    cpu::CheckpointHead c;
+  // checkpoint_rows.h's view of head h of this staging.
+  ::replayssm::CheckpointHead head(const StateCacheLayout& l, int h) {
+    ::replayssm::CheckpointHead c;
     c.rows = l.dims.rows;
     c.cols = l.dims.cols;
     const std::size_t block = static_cast<std::size_t>(h) * l.dims.rows * l.dims.cols;
@@ -116,17 +117,13 @@ struct HostCheckpoint {
   }
 };
 
-std::int64_t ls_index(const StateCacheLayout& l, int layer, int slot) {
-  return l.layer_slot(layer, slot);
-}
-
 // A one-element device copy of `slot`, for the fold kernels (whose slot ids live on the device).
 class DeviceSlotId {
  public:
-  Status init(int slot) {
+  Status init(int slot, cudaStream_t stream) {
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, sizeof(std::int32_t)));
     const std::int32_t id = slot;
-    return copy_to_device(ptr_, &id, sizeof id);
+    return copy_sync(ptr_, &id, sizeof id, stream);
   }
   ~DeviceSlotId() {
     if (ptr_ != nullptr) (void)cudaFree(ptr_);
@@ -137,98 +134,122 @@ class DeviceSlotId {
   std::int32_t* ptr_ = nullptr;
 };
 
+Status fold_layers(StateCacheLayout& cache, int first_layer, int num_layers,
+                   const std::int32_t* slot_ids, int batch, cudaStream_t stream) {
+  switch (cache.config.kind) {
+    case LayerKind::kMamba2:
+      return mamba2::fold_layers(cache, first_layer, num_layers, slot_ids, batch, stream);
+    case LayerKind::kGdn:
+      return gdn::fold_layers(cache, first_layer, num_layers, slot_ids, batch, stream);
+  }
+  return invalid_argument("unknown layer kind");
+}
+
 }  // namespace
 
+Status can_implement(const StateCacheConfig& config) {
+  if (!device_present()) return unsupported("a CUDA state cache needs a GPU; none was found");
+  switch (config.kind) {
+    case LayerKind::kMamba2: return mamba2::can_implement(config);
+    case LayerKind::kGdn: return gdn::can_implement(config);
+  }
+  return invalid_argument("unknown layer kind");
+}
+
 Status advance_folded(const StateCacheLayout& cache, int layer, const std::int32_t* slot_ids,
-                      int batch, int num_tokens) {
+                      int batch, int num_tokens, cudaStream_t stream) {
   if (batch == 0) return Status::ok();
   const AdvanceParams p{cache, layer, batch, num_tokens, slot_ids};
-  advance_folded_kernel<<<cursor_blocks(batch), kCursorThreads, 0, launch_stream()>>>(p);
+  advance_folded_kernel<<<cursor_blocks(batch), kCursorThreads, 0, stream>>>(p);
   REPLAYSSM_CUDA_CHECK_LAUNCH("advance_folded kernel");
   return Status::ok();
 }
 
-Status commit(StateCacheLayout& cache, const CommitArgs& args) {
+Status commit(StateCacheLayout& cache, const CommitArgs& args, Stream stream) {
   if (args.batch == 0) return Status::ok();
   const CommitParams p{cache, args.batch, args.slot_ids, args.accepted};
-  commit_kernel<<<cursor_blocks(args.batch), kCursorThreads, 0, launch_stream()>>>(p);
+  commit_kernel<<<cursor_blocks(args.batch), kCursorThreads, 0, to_cuda(stream)>>>(p);
   REPLAYSSM_CUDA_CHECK_LAUNCH("commit kernel");
   return Status::ok();
 }
 
-Status fold(StateCacheLayout& cache, const FoldArgs& args) {
-  if (cache.config.mode == DecodeMode::kEager || args.batch == 0) return Status::ok();
-  return cache.config.kind == LayerKind::kMamba2 ? mamba2_fold(cache, args)
-                                                 : gdn_fold(cache, args);
+Status fold(StateCacheLayout& cache, const FoldArgs& args, Stream stream) {
+  return fold_layers(cache, 0, cache.config.num_layers, args.slot_ids, args.batch,
+                     to_cuda(stream));
 }
 
-Status load_state(StateCacheLayout& l, int layer, int slot, const float* state) {
+Status load_state(StateCacheLayout& l, int layer, int slot, const float* state, Stream s) {
+  const cudaStream_t stream = to_cuda(s);
   const std::int64_t n = l.state_elems();
-  const std::int64_t ls = ls_index(l, layer, slot);
+  const std::int64_t ls = l.layer_slot(layer, slot);
+  std::vector<float> host(static_cast<std::size_t>(n));
+  REPLAYSSM_RETURN_IF_ERROR(copy_sync(host.data(), state, host.size() * 4, stream));
+  REPLAYSSM_RETURN_IF_ERROR(validate_finite_state(l, host.data()));
   if (l.config.mode == DecodeMode::kEager) {
     return StateDTypes::dispatch(l.config.state_dtype, "state dtype", [&](auto st) {
       using state_t = dtype_t<st.value>;
-      std::vector<state_t> host(static_cast<std::size_t>(n));
-      for (std::int64_t i = 0; i < n; ++i) host[i] = from_float<state_t>(state[i]);
-      return copy_to_device(static_cast<state_t*>(l.state) + ls * n, host.data(),
-                            host.size() * sizeof(state_t));
+      std::vector<state_t> converted(host.size());
+      for (std::size_t i = 0; i < host.size(); ++i) converted[i] = from_float<state_t>(host[i]);
+      return copy_sync(static_cast<state_t*>(l.state) + ls * n, converted.data(),
+                       converted.size() * sizeof(state_t), stream);
     });
   }
   HostCheckpoint staging(l);
   for (int h = 0; h < l.dims.heads; ++h) {
-    const cpu::CheckpointHead c = staging.head(l, h);
+    const ::replayssm::CheckpointHead c = staging.head(l, h);
     for (int r = 0; r < l.dims.rows; ++r) {
-      cpu::write_row(c, r, state + (std::int64_t{h} * l.dims.rows + r) * l.dims.cols);
+      write_row(c, r, host.data() + (std::int64_t{h} * l.dims.rows + r) * l.dims.cols);
     }
   }
-  if (l.has_hi()) {
-    REPLAYSSM_RETURN_IF_ERROR(copy_to_device(l.ckpt_hi + ls * n, staging.hi.data(), n * 4));
+  if (!staging.hi.empty()) {
+    REPLAYSSM_RETURN_IF_ERROR(copy_sync(l.ckpt_hi + ls * n, staging.hi.data(), n * 4, stream));
   }
   if (!staging.lo_bf16.empty()) {
-    REPLAYSSM_RETURN_IF_ERROR(copy_to_device(static_cast<bf16_t*>(l.ckpt_lo) + ls * n,
-                                             staging.lo_bf16.data(), n * 2));
+    REPLAYSSM_RETURN_IF_ERROR(copy_sync(static_cast<bf16_t*>(l.ckpt_lo) + ls * n,
+                                        staging.lo_bf16.data(), n * 2, stream));
   }
   if (!staging.lo_fp8.empty()) {
-    REPLAYSSM_RETURN_IF_ERROR(copy_to_device(static_cast<fp8e4m3_t*>(l.ckpt_lo) + ls * n,
-                                             staging.lo_fp8.data(), n));
-    REPLAYSSM_RETURN_IF_ERROR(copy_to_device(l.ckpt_lo_scale + ls * l.state_rows(),
-                                             staging.scale.data(), l.state_rows() * 4));
+    REPLAYSSM_RETURN_IF_ERROR(copy_sync(static_cast<fp8e4m3_t*>(l.ckpt_lo) + ls * n,
+                                        staging.lo_fp8.data(), n, stream));
+    REPLAYSSM_RETURN_IF_ERROR(copy_sync(l.ckpt_lo_scale + ls * l.state_rows(),
+                                        staging.scale.data(), l.state_rows() * 4, stream));
   }
   // The layer's ring starts empty at the slot's committed position.
   std::uint32_t committed = 0;
-  REPLAYSSM_RETURN_IF_ERROR(copy_to_host(&committed, l.committed + slot, 4));
-  return copy_to_device(l.folded + ls, &committed, 4);
+  REPLAYSSM_RETURN_IF_ERROR(copy_sync(&committed, l.committed + slot, 4, stream));
+  return copy_sync(l.folded + ls, &committed, 4, stream);
 }
 
-Status export_state(StateCacheLayout& l, int layer, int slot, float* state) {
+Status export_state(StateCacheLayout& l, int layer, int slot, float* state, Stream s) {
+  const cudaStream_t stream = to_cuda(s);
   const std::int64_t n = l.state_elems();
-  const std::int64_t ls = ls_index(l, layer, slot);
+  const std::int64_t ls = l.layer_slot(layer, slot);
+  std::vector<float> host(static_cast<std::size_t>(n));
   if (l.config.mode == DecodeMode::kEager) {
-    return StateDTypes::dispatch(l.config.state_dtype, "state dtype", [&](auto st) {
+    REPLAYSSM_RETURN_IF_ERROR(StateDTypes::dispatch(l.config.state_dtype, "state dtype", [&](auto st) {
       using state_t = dtype_t<st.value>;
-      std::vector<state_t> host(static_cast<std::size_t>(n));
-      REPLAYSSM_RETURN_IF_ERROR(copy_to_host(host.data(), static_cast<state_t*>(l.state) + ls * n,
-                                             host.size() * sizeof(state_t)));
-      for (std::int64_t i = 0; i < n; ++i) state[i] = to_float(host[i]);
+      std::vector<state_t> raw(host.size());
+      REPLAYSSM_RETURN_IF_ERROR(copy_sync(raw.data(), static_cast<state_t*>(l.state) + ls * n,
+                                          raw.size() * sizeof(state_t), stream));
+      for (std::size_t i = 0; i < raw.size(); ++i) host[i] = to_float(raw[i]);
       return Status::ok();
-    });
-  }
-  // Materialise: fold the committed history first. Mamba-2 folds only this layer, as the CPU
-  // backend does; the GDN fold entry point folds every layer of the slot (equivalent state).
-  DeviceSlotId id;
-  REPLAYSSM_RETURN_IF_ERROR(id.init(slot));
-  if (l.config.kind == LayerKind::kMamba2) {
-    REPLAYSSM_RETURN_IF_ERROR(mamba2::fold_layer(l, layer, id.get(), 1));
+    }));
   } else {
-    REPLAYSSM_RETURN_IF_ERROR(gdn_fold(l, FoldArgs{1, id.get()}));
+    // Materialise: fold this layer's committed history first, as the CPU backend does.
+    DeviceSlotId id;
+    REPLAYSSM_RETURN_IF_ERROR(id.init(slot, stream));
+    REPLAYSSM_RETURN_IF_ERROR(fold_layers(l, layer, 1, id.get(), 1, stream));
+    if (l.ckpt.has_hi) {
+      REPLAYSSM_RETURN_IF_ERROR(copy_sync(host.data(), l.ckpt_hi + ls * n, n * 4, stream));
+    } else {
+      // Shared bf16: the low copy is the master.
+      std::vector<bf16_t> raw(host.size());
+      REPLAYSSM_RETURN_IF_ERROR(copy_sync(
+          raw.data(), static_cast<const bf16_t*>(l.ckpt_lo) + ls * n, n * 2, stream));
+      for (std::size_t i = 0; i < raw.size(); ++i) host[i] = to_float(raw[i]);
+    }
   }
-  if (l.has_hi()) return copy_to_host(state, l.ckpt_hi + ls * n, n * 4);
-  // Shared bf16: the low copy is the master.
-  std::vector<bf16_t> host(static_cast<std::size_t>(n));
-  REPLAYSSM_RETURN_IF_ERROR(
-      copy_to_host(host.data(), static_cast<const bf16_t*>(l.ckpt_lo) + ls * n, n * 2));
-  for (std::int64_t i = 0; i < n; ++i) state[i] = to_float(host[i]);
-  return Status::ok();
+  return copy_sync(state, host.data(), host.size() * 4, stream);
 }
 
 }  // namespace replayssm::cuda

@@ -5,10 +5,12 @@
 // lanes (16 columns each: one 16-byte vector of fp8, two of bf16, four of fp32, interleaved so
 // that each warp-wide access covers whole rows; vec.cuh's RowSplit).
 //
-// Eager (eager_kernel.cu): one block per (head, batch row), each thread holding
+// Eager (mamba2_eager.cu): one block per (head, batch row), each thread holding
 // kRowsPerThread = 4 rows in registers: ceil(head_dim / 4)·8 threads (128 at head_dim 64, 160
 // at 80), 4 rows' loads in flight per thread; 92-93% of copy bandwidth at batch 256.
-// Replay (replay_kernel.cu): see "replay kernel tiling" below.
+// Replay (mamba2_replay.cu): see "replay kernel tiling" below.
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -56,13 +58,7 @@ __host__ __device__ inline int block_threads(int head_dim) {
   return (threads + 31) / 32 * 32;
 }
 
-/// Records a replay block stages in shared memory: the committed history a fold may find
-/// (buffer_len − 1 + T) plus the window.
-__host__ __device__ inline int max_records(const StateCacheLayout& l) {
-  return l.config.buffer_len - 1 + 2 * l.config.max_spec_tokens;
-}
-
-// ---- replay kernel tiling (replay_kernel.cu) ----------------------------------------------
+// ---- replay kernel tiling (mamba2_replay.cu) ----------------------------------------------
 //
 // One block per (batch row, run of heads_per_cta heads of one group): the group's B and C and
 // its B_j·C_t products are staged and computed once for all its heads, and the heads' state
@@ -79,7 +75,7 @@ inline constexpr int kMaxHeadsPerCta = 8;
 
 /// Shared-memory carve-up of a replay block, in bytes (16-byte aligned pieces).
 struct ReplaySmem {
-  int R;          // records staged (max_records)
+  int R;          // records staged (StateCacheLayout::max_records)
   int Tm;         // widest window (max_spec_tokens)
   int P;          // head_dim
   int hpc;        // heads per block
@@ -104,24 +100,16 @@ struct ReplaySmem {
   __host__ __device__ int bytes() const { return dot() + align16(hpc * Tm * P * 4); }
 };
 
-/// kOk when this build has a kernel for the cache's config, else kUnsupported naming the
-/// supported values.
-Status can_implement(const StateCacheConfig& config);
+/// The shared memory of a replay block of `heads_per_cta` heads for a cache's config.
+inline ReplaySmem replay_smem(const StateCacheConfig& c, int heads_per_cta) {
+  return ReplaySmem{max_records(c.buffer_len, c.max_spec_tokens), c.max_spec_tokens,
+                    c.mamba2.head_dim, heads_per_cta, int(dtype_size(c.input_dtype))};
+}
 
-Status launch_eager(const Params& params);
-Status launch_replay(const Params& params);
-/// Eager and replay (and explicit folds) for shapes the tuned kernels are not built for
-/// (generic_kernel.cu): any dstate and head_dim, at a fraction of the bandwidth.
-Status launch_generic(const Params& params);
 /// Whether a cache's shape takes the generic kernels: dstate other than kDstate, or rows past
 /// kMaxHeadDim.
 inline bool uses_generic_kernels(const Mamba2Shape& s) {
   return s.dstate != kDstate || s.head_dim > kMaxHeadDim;
 }
-
-/// Folds one layer's committed history for the given rows' slots (device ids; -1 = skip):
-/// the replay kernel with an empty window, then advance_folded. state_cache_fold folds every
-/// layer; export folds only the layer it materialises, as the CPU backend does.
-Status fold_layer(StateCacheLayout& cache, int layer, const std::int32_t* slot_ids, int batch);
 
 }  // namespace replayssm::cuda::mamba2

@@ -14,7 +14,7 @@
 #include "cuda/common/check.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/vec.cuh"
-#include "cuda/mamba2/params.cuh"
+#include "cuda/mamba2/mamba2_launch.h"
 
 namespace replayssm::cuda::mamba2 {
 
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int slot = slot_in_range(l, params.slot_ids, b);
   if (slot < 0) return;
   state_t* S = static_cast<state_t*>(l.state) +
-               (layer_slot(l, params.layer, slot) * H + h) * std::int64_t{P} * kDstate;
+               (l.layer_slot(params.layer, slot) * H + h) * std::int64_t{P} * kDstate;
 
   // Stream the state in first; the slot's allocation flag and the inputs arrive meanwhile.
   typename Split::template Fragment<state_t> st[kRowsPerThread];
@@ -94,19 +94,19 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (z != nullptr) out *= silu(to_float(z[off]));
     y[off] = from_float<input_t>(out);
   }
-  if (h == 0 && threadIdx.x == 0) l.pending[slot] = 1;
+  if (h == 0 && threadIdx.x == 0) l.pending[l.layer_slot(params.layer, slot)] = 1;
 }
 
 }  // namespace
 
-Status launch_eager(const Params& params) {
+Status launch_eager(const Params& params, cudaStream_t stream) {
   const StateCacheConfig& c = params.cache.config;
   return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     return EagerStateDTypes::dispatch(c.state_dtype, "eager state dtype", [&](auto st) {
       const dim3 grid(static_cast<unsigned>(params.cache.dims.heads),
                       static_cast<unsigned>(params.batch));
       eager_kernel<dtype_t<in.value>, dtype_t<st.value>>
-          <<<grid, block_threads(params.cache.dims.rows), 0, launch_stream()>>>(params);
+          <<<grid, block_threads(params.cache.dims.rows), 0, stream>>>(params);
       REPLAYSSM_CUDA_CHECK_LAUNCH("mamba2 eager kernel");
       return Status::ok();
     });

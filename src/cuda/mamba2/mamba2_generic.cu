@@ -11,7 +11,7 @@
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/dispatch.cuh"
-#include "cuda/mamba2/params.cuh"
+#include "cuda/mamba2/mamba2_launch.h"
 
 namespace replayssm::cuda::mamba2 {
 
@@ -30,7 +30,7 @@ struct Records {
   std::uint32_t first;
 
   __device__ std::int64_t ring(int j) const {
-    return ring_record(p.cache, p.layer, slot, first + std::uint32_t(j));
+    return p.cache.ring_record(p.layer, slot, first + std::uint32_t(j));
   }
   __device__ std::int64_t token(int j) const {
     return std::int64_t{b} * p.num_tokens + (j - history);
@@ -111,16 +111,16 @@ __global__ void generic_replay_kernel(const __grid_constant__ Params p) {
   const int slot = resolve_slot(l, p.slot_ids, b);
   if (slot < 0) return;
   const int T = p.num_tokens;
-  const std::uint32_t first = l.folded[layer_slot(l, p.layer, slot)];
-  const int unfolded_count = min(int(l.committed[slot] - first), max_history(l));
-  const bool fold = fold_due(l, std::uint32_t(unfolded_count), T);
+  const std::uint32_t first = l.folded[l.layer_slot(p.layer, slot)];
+  const int unfolded_count = min(int(l.committed[slot] - first), l.max_history());
+  const bool fold = l.fold_due(std::uint32_t(unfolded_count), T);
   const int g = h / (d.heads / d.key_heads);
   const Records<input_t> history{p, slot, b, h, g, unfolded_count, first};
   const Records<input_t> window{p, slot, b, h, g, fold ? 0 : unfolded_count,
                                 fold ? first + std::uint32_t(unfolded_count) : first};
 
   for (int row = threadIdx.x; row < d.rows; row += blockDim.x) {
-    const std::int64_t state_row = (layer_slot(l, p.layer, slot) * d.heads + h) * d.rows + row;
+    const std::int64_t state_row = (l.layer_slot(p.layer, slot) * d.heads + h) * d.rows + row;
     const std::int64_t row_elem = state_row * d.cols;
     if (fold) fold_row(l, history, unfolded_count, row, state_row);
     // y_t = τ_t·(S·C_t) + Σ_{j ≤ w+t} s_j·(B_j·C_t)·x_j + D·x_t, then the gate.
@@ -150,7 +150,7 @@ __global__ void generic_replay_kernel(const __grid_constant__ Params p) {
   // Append the window's ring records at committed..committed+T-1 (past every record read
   // above): x and Δ, A·Δ of this head; B of the group by its first head's block.
   for (int t = 0; t < T; ++t) {
-    const std::int64_t rec = ring_record(l, p.layer, slot, l.committed[slot] + std::uint32_t(t));
+    const std::int64_t rec = l.ring_record(p.layer, slot, l.committed[slot] + std::uint32_t(t));
     const std::int64_t bt = std::int64_t{b} * T + t;
     for (int row = threadIdx.x; row < d.rows; row += blockDim.x) {
       static_cast<input_t*>(l.ring_vec)[(rec * d.heads + h) * d.rows + row] =
@@ -168,7 +168,9 @@ __global__ void generic_replay_kernel(const __grid_constant__ Params p) {
       l.ring_decay[rec * d.heads + h] = p.A[h] * delta;
     }
   }
-  if (h == 0 && threadIdx.x == 0) l.pending[slot] = static_cast<std::uint8_t>(T);
+  if (h == 0 && threadIdx.x == 0) {
+    l.pending[l.layer_slot(p.layer, slot)] = static_cast<std::uint8_t>(T);
+  }
 }
 
 template <typename input_t, typename state_t>
@@ -186,7 +188,7 @@ __global__ void generic_eager_kernel(const __grid_constant__ Params p) {
   for (int row = threadIdx.x; row < d.rows; row += blockDim.x) {
     const std::int64_t out = (std::int64_t{b} * d.heads + h) * d.rows + row;
     state_t* S = static_cast<state_t*>(l.state) +
-                 ((layer_slot(l, p.layer, slot) * d.heads + h) * d.rows + row) * d.cols;
+                 ((l.layer_slot(p.layer, slot) * d.heads + h) * d.rows + row) * d.cols;
     const float xdt = to_float(static_cast<const input_t*>(p.x)[out]) * delta;
     float acc = 0.0f;
     for (int n = 0; n < d.cols; ++n) {
@@ -198,25 +200,25 @@ __global__ void generic_eager_kernel(const __grid_constant__ Params p) {
     if (p.z != nullptr) y *= silu(to_float(static_cast<const input_t*>(p.z)[out]));
     static_cast<input_t*>(p.y)[out] = from_float<input_t>(y);
   }
-  if (h == 0 && threadIdx.x == 0) l.pending[slot] = 1;
+  if (h == 0 && threadIdx.x == 0) l.pending[l.layer_slot(p.layer, slot)] = 1;
 }
 
 }  // namespace
 
-Status launch_generic(const Params& params) {
+Status launch_generic(const Params& params, cudaStream_t stream) {
   const StateCacheConfig& c = params.cache.config;
   const dim3 grid(static_cast<unsigned>(params.cache.dims.heads),
                   static_cast<unsigned>(params.batch));
   return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     using input_t = dtype_t<in.value>;
     if (c.mode == DecodeMode::kReplay) {
-      generic_replay_kernel<input_t><<<grid, kGenericThreads, 0, launch_stream()>>>(params);
+      generic_replay_kernel<input_t><<<grid, kGenericThreads, 0, stream>>>(params);
       REPLAYSSM_CUDA_CHECK_LAUNCH("mamba2 generic replay kernel");
       return Status::ok();
     }
     return EagerStateDTypes::dispatch(c.state_dtype, "eager state dtype", [&](auto st) {
       generic_eager_kernel<input_t, dtype_t<st.value>>
-          <<<grid, kGenericThreads, 0, launch_stream()>>>(params);
+          <<<grid, kGenericThreads, 0, stream>>>(params);
       REPLAYSSM_CUDA_CHECK_LAUNCH("mamba2 generic eager kernel");
       return Status::ok();
     });

@@ -30,9 +30,10 @@
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/checkpoint.cuh"
+#include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/vec.cuh"
-#include "cuda/mamba2/params.cuh"
+#include "cuda/mamba2/mamba2_launch.h"
 
 namespace replayssm::cuda::mamba2 {
 
@@ -80,7 +81,7 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
     const input_t* x_src;
     const input_t* B_src;
     if (j < k.w) {
-      const std::int64_t rec = ring_record(l, p.layer, k.slot, folded + j);
+      const std::int64_t rec = l.ring_record(p.layer, k.slot, folded + j);
       x_src = static_cast<const input_t*>(l.ring_vec) + (rec * H + k.h0) * k.P;
       B_src = static_cast<const input_t*>(l.ring_key) + (rec * G + k.g) * kDstate;
     } else {
@@ -97,9 +98,9 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
                    static_cast<const input_t*>(p.C) + (bt * G + k.g) * kDstate,
                    kDstate * int(sizeof(input_t)));
   }
-  if constexpr (CheckpointTraits<P>::kScaled) {
+  if constexpr (CheckpointTypes<P>::kScaled) {
     if (!k.fold) {  // the read copy's per-row scales
-      const std::int64_t ls = layer_slot(l, p.layer, k.slot);
+      const std::int64_t ls = l.layer_slot(p.layer, k.slot);
       copy_to_shared(k.ptr(k.at.scale()), l.ckpt_lo_scale + (ls * H + k.h0) * k.P, k.rows * 4);
     }
   }
@@ -109,7 +110,7 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
   for (int i = threadIdx.x; i < nrec * k.hpc; i += blockDim.x) {
     const int j = i / k.hpc, h = k.h0 + i % k.hpc;
     if (j < k.w) {
-      const std::int64_t rec = ring_record(l, p.layer, k.slot, folded + j);
+      const std::int64_t rec = l.ring_record(p.layer, k.slot, folded + j);
       dts[i] = l.ring_write[rec * H + h];
       decay[i] = l.ring_decay[rec * H + h];
     } else {
@@ -149,7 +150,7 @@ __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed
   const float* dts = k.ptr(k.at.dt());
   const float* decay = k.ptr(k.at.decay());
   for (int t = 0; t < k.T; ++t) {
-    const std::int64_t rec = ring_record(l, p.layer, k.slot, committed + t);
+    const std::int64_t rec = l.ring_record(p.layer, k.slot, committed + t);
     const int j = k.w + t;
     copy_to_global(static_cast<input_t*>(l.ring_vec) + (rec * H + k.h0) * k.P, xs + j * xrec,
                    xrec * int(sizeof(input_t)));
@@ -262,7 +263,7 @@ __device__ __forceinline__ void process_row(const Block& k, const CheckpointHead
   }
   // fp8 read copy: S·C = scale·(q·C), the row's scale applied once to the sum.
   float row_scale = 1.0f;
-  if constexpr (CheckpointTraits<P>::kScaled && !kFold) {
+  if constexpr (CheckpointTypes<P>::kScaled && !kFold) {
     if (active) row_scale = k.ptr(k.at.scale())[r];
   }
   if constexpr (kFold) {
@@ -363,13 +364,15 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   cp_async_wait<0>();
   if (k.T == 0) return;
   write_outputs<input_t>(p, k);
-  if (k.h0 == 0 && threadIdx.x == 0) p.cache.pending[k.slot] = static_cast<std::uint8_t>(k.T);
+  if (k.h0 == 0 && threadIdx.x == 0) {
+    p.cache.pending[p.cache.layer_slot(p.layer, k.slot)] = static_cast<std::uint8_t>(k.T);
+  }
 }
 
 template <typename input_t, CheckpointPrecision P>
 __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per SM
     replay_kernel(const __grid_constant__ Params params) {
-  using Traits = CheckpointTraits<P>;
+  using Traits = CheckpointTypes<P>;
   extern __shared__ __align__(16) unsigned char smem[];
   const StateCacheLayout& l = params.cache;
   Block k;
@@ -379,7 +382,7 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   k.g = k.h0 / (l.dims.heads / l.dims.key_heads);
   k.P = l.dims.rows;
   k.T = params.num_tokens;
-  k.R = max_records(l);
+  k.R = l.max_records();
   k.Tm = l.config.max_spec_tokens;
   k.rows = k.hpc * k.P;
   k.smem = smem;
@@ -388,12 +391,12 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   k.slot = resolve_slot(l, params.slot_ids, k.b);
   if (k.slot < 0) return;
   const std::uint32_t committed = l.committed[k.slot];
-  const std::uint32_t folded = l.folded[layer_slot(l, params.layer, k.slot)];
+  const std::uint32_t folded = l.folded[l.layer_slot(params.layer, k.slot)];
   const std::uint32_t unfolded_count = committed - folded;
-  k.fold = fold_due(l, unfolded_count, k.T);
+  k.fold = l.fold_due(unfolded_count, k.T);
   if (k.T == 0 && !k.fold) return;
   // Clamped so that corrupt cursors can never index past the staging.
-  k.w = static_cast<int>(std::min<std::uint32_t>(unfolded_count, max_history(l)));
+  k.w = static_cast<int>(std::min<std::uint32_t>(unfolded_count, l.max_history()));
   k.out0 = k.fold ? k.w : 0;
   k.nout = (k.fold ? 0 : k.w) + k.T;
 
@@ -420,31 +423,18 @@ int pick_heads_per_cta(const StateCacheLayout& l, int batch, int sms) {
 }
 
 template <typename input_t, CheckpointPrecision P>
-Status launch(Params params) {
+Status launch(Params params, cudaStream_t stream) {
   const StateCacheLayout& l = params.cache;
-  int device = 0, sms = 0, smem_limit = 0;
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  int hpc = pick_heads_per_cta(l, params.batch, sms);
-  auto smem_bytes = [&](int heads) {
-    return ReplaySmem{max_records(l), l.config.max_spec_tokens, l.dims.rows, heads,
-                      int(sizeof(input_t))}
-        .bytes();
-  };
-  while (hpc > 1 && smem_bytes(hpc) > smem_limit) {
+  DeviceLimits limits;
+  REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
+  int hpc = pick_heads_per_cta(l, params.batch, limits.sms);
+  // One head per block always fits: can_implement checked it when the cache was created.
+  while (hpc > 1 && replay_smem(l.config, hpc).bytes() > limits.smem_per_block) {
     do {
       --hpc;
     } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
   }
-  const int smem = smem_bytes(hpc);
-  if (smem > smem_limit) {
-    return unsupported("mamba2 CUDA replay stages buffer_len + 2·max_spec_tokens records in " +
-                       std::to_string(smem) + " bytes of shared memory; this GPU allows " +
-                       std::to_string(smem_limit) + " (use a shorter buffer_len)");
-  }
+  const int smem = replay_smem(l.config, hpc).bytes();
   params.heads_per_cta = hpc;
   auto* kernel = replay_kernel<input_t, P>;
   if (smem > 48 * 1024) {
@@ -455,18 +445,18 @@ Status launch(Params params) {
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   const dim3 grid(static_cast<unsigned>(l.dims.heads / hpc), static_cast<unsigned>(params.batch));
-  kernel<<<grid, kReplayThreads, smem, launch_stream()>>>(params);
+  kernel<<<grid, kReplayThreads, smem, stream>>>(params);
   REPLAYSSM_CUDA_CHECK_LAUNCH("mamba2 replay kernel");
   return Status::ok();
 }
 
 }  // namespace
 
-Status launch_replay(const Params& params) {
+Status launch_replay(const Params& params, cudaStream_t stream) {
   const StateCacheConfig& c = params.cache.config;
   return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     return CheckpointPrecisions::dispatch(c.checkpoint, "checkpoint precision", [&](auto prec) {
-      return launch<dtype_t<in.value>, prec.value>(params);
+      return launch<dtype_t<in.value>, prec.value>(params, stream);
     });
   });
 }
