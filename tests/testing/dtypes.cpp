@@ -1,10 +1,21 @@
 #include "testing/dtypes.h"
 
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "common/numeric.h"
 
 namespace replayssm::testing {
+
+namespace {
+
+// The cursor types (u8, u32) are no activation, state or checkpoint type.
+[[noreturn]] void not_a_value_type(DType dtype) {
+  throw std::invalid_argument(std::string("not a floating-point dtype: ") + dtype_name(dtype));
+}
+
+}  // namespace
 
 float round_to(DType dtype, float v) {
   switch (dtype) {
@@ -12,6 +23,8 @@ float round_to(DType dtype, float v) {
     case DType::kBF16: return to_float(float_to_bf16(v));
     case DType::kF16: return to_float(float_to_f16(v));
     case DType::kF8E4M3: return to_float(float_to_fp8e4m3(v));
+    case DType::kU8:
+    case DType::kU32: not_a_value_type(dtype);
   }
   return v;
 }
@@ -38,6 +51,8 @@ std::vector<std::uint8_t> encode(DType dtype, const std::vector<float>& v) {
         break;
       }
       case DType::kF8E4M3: *dst = float_to_fp8e4m3(v[i]).bits; break;
+      case DType::kU8:
+      case DType::kU32: not_a_value_type(dtype);
     }
   }
   return out;
@@ -62,6 +77,8 @@ float decode_elem(DType dtype, const void* data, std::size_t i) {
       return to_float(h);
     }
     case DType::kF8E4M3: return to_float(fp8e4m3_t{p[i]});
+    case DType::kU8:
+    case DType::kU32: not_a_value_type(dtype);
   }
   return 0.0f;
 }

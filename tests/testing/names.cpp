@@ -14,6 +14,8 @@ std::string dtype_tag(DType dtype) {
     case DType::kBF16: return "BF16";
     case DType::kF16: return "F16";
     case DType::kF8E4M3: return "F8E4M3";
+    case DType::kU8: return "U8";
+    case DType::kU32: return "U32";
   }
   return "X";
 }
