@@ -5,33 +5,17 @@
 #include <utility>
 
 #include "backend.h"
+#include "cache_buffers.h"
 #include "testing/device_buffer.h"
 
 namespace replayssm::testing {
 
 std::vector<BufferView> layout_buffers(const StateCacheLayout& l) {
-  const int L = l.config.num_layers;
-  const std::size_t se = static_cast<std::size_t>(l.state_elems());
-  const std::size_t rc = static_cast<std::size_t>(l.ring_capacity);
-  const std::size_t in = dtype_size(l.config.input_dtype);
   std::vector<BufferView> v;
-  auto add = [&](const char* name, const void* p, int layers, std::size_t per_slot) {
-    if (p != nullptr) v.push_back({name, p, layers, per_slot});
-  };
-  add("state", l.state, L, se * dtype_size(l.config.state_dtype));
-  add("ckpt_hi", l.ckpt_hi, L, se * 4);
-  add("ckpt_lo", l.ckpt_lo, L, se * dtype_size(l.lo_dtype()));
-  add("ckpt_lo_scale", l.ckpt_lo_scale, L, static_cast<std::size_t>(l.state_rows()) * 4);
-  add("ring_vec", l.ring_vec, L, rc * static_cast<std::size_t>(l.vec_elems()) * in);
-  add("ring_key", l.ring_key, L, rc * static_cast<std::size_t>(l.key_elems()) * in);
-  add("ring_key_scale", l.ring_key_scale, L,
-      rc * static_cast<std::size_t>(l.dims.key_heads) * 4);
-  add("ring_write", l.ring_write, L, rc * static_cast<std::size_t>(l.dims.heads) * 4);
-  add("ring_decay", l.ring_decay, L, rc * static_cast<std::size_t>(l.dims.heads) * 4);
-  add("committed", l.committed, 1, 4);
-  add("folded", l.folded, L, 4);
-  add("pending", l.pending, 1, 1);
-  add("allocated", l.allocated, 1, 1);
+  for (const CacheBufferSpec& spec : cache_buffer_specs(l.config)) {
+    v.push_back({spec.name, layout_buffer(l, spec.id), int(slot_region_count(spec)),
+                 std::size_t(slot_region_bytes(spec))});
+  }
   return v;
 }
 

@@ -14,7 +14,8 @@
 namespace replayssm::testing {
 
 /// One buffer of a StateCacheLayout: `layers` × capacity regions of `slot_bytes` bytes each,
-/// region (layer, slot) at byte offset (layer·capacity + slot)·slot_bytes.
+/// region (layer, slot) at byte offset (layer·capacity + slot)·slot_bytes (layers = 1 for
+/// per-slot buffers).
 struct BufferView {
   std::string name;
   const void* ptr = nullptr;
@@ -24,7 +25,7 @@ struct BufferView {
     return std::size_t(layers) * std::size_t(capacity) * slot_bytes;
   }
 };
-/// Every non-null buffer of the layout (state, ckpt_hi, ckpt_lo, ckpt_lo_scale, ring_*, cursors).
+/// Every buffer of the layout's config, from the library's buffer table (cache_buffers.h).
 std::vector<BufferView> layout_buffers(const StateCacheLayout& layout);
 
 /// A host copy of every buffer of a cache, by name.
@@ -44,6 +45,7 @@ std::vector<std::uint8_t> slot_bytes(const StateCache& cache, int slot);
 /// Host copies of the cursors.
 std::uint32_t cursor_committed(const StateCache& cache, int slot);
 std::uint32_t cursor_folded(const StateCache& cache, int layer, int slot);
+/// Layer 0's pending window.
 int cursor_pending(const StateCache& cache, int slot);
 
 }  // namespace replayssm::testing
