@@ -29,7 +29,7 @@ const GdnShape kK256{2, 2, 256, 256};  // K and V past 128
 class GdnGenericCudaVsCpu : public ::testing::TestWithParam<SideCase> {};
 
 TEST_P(GdnGenericCudaVsCpu, SameOutputsStatesAndCursors) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
   testing::CudaVsCpuSpec spec;
   spec.config = testing::side_config(c);

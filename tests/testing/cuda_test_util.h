@@ -11,12 +11,8 @@
 
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "testing/require_gpu.h"
 #include "testing/test_util.h"
-
-/// The first line of every CUDA test: without a GPU the test skips with this message (CTest's
-/// skip pattern for `cuda` tests, tests/CMakeLists.txt, matches it).
-#define SKIP_WITHOUT_GPU() \
-  if (!::replayssm::cuda_available()) GTEST_SKIP() << "no CUDA GPU"
 
 namespace replayssm::testing {
 
