@@ -20,6 +20,7 @@
 #endif
 
 #include "backend.h"
+#include "testing/require_gpu.h"
 #include "testing/test_util.h"
 
 namespace replayssm {
@@ -655,16 +656,13 @@ TEST_F(Misuse, ClaimingASlotInUseIsRefused) {
 
 #if defined(REPLAYSSM_WITH_CUDA)
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU"
-
 TEST(CudaCacheView, MatchesTheOwningCacheBitForBit) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   expect_view_matches_owner(Device::kCuda);
 }
 
 TEST(CudaCacheView, RefusesHostMemory) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   const StateCacheConfig c = small_config(LayerKind::kMamba2, DecodeMode::kReplay,
                                           CheckpointPrecision::kFp32, Device::kCuda);
   CallerBuffers host(small_config(LayerKind::kMamba2, DecodeMode::kReplay,
@@ -676,7 +674,7 @@ TEST(CudaCacheView, RefusesHostMemory) {
 }
 
 TEST(CudaCreation, RefusesWhatTheKernelsDoNotRun) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   struct Case {
     std::string name;
     std::function<void(StateCacheConfig&)> edit;
@@ -720,7 +718,7 @@ TEST(CudaCreation, RefusesWhatTheKernelsDoNotRun) {
 // An engine's step: its own device buffers, its own stream, every layer's verify and the commit
 // captured into one CUDA graph, replayed; the owning cache runs the same steps directly.
 TEST(CudaCacheView, ACapturedStepOnTheEnginesStreamMatches) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   for (LayerKind kind : {LayerKind::kMamba2, LayerKind::kGdn}) {
     StateCacheConfig c = small_config(kind, DecodeMode::kReplay, CheckpointPrecision::kFp32Bf16,
                                       Device::kCuda);
