@@ -1,7 +1,8 @@
 #pragma once
 // Naive same-precision loops: §1/§2 in fp32 with the state stored in `state_dtype` after every
-// update and the outputs rounded to `out_dtype`. STYLE.md's yardstick for long runs: a path's
-// error vs the oracle should be no more than about twice this loop's (tolerances.h).
+// update and the outputs rounded to `out_dtype`: the yardstick for long runs (FlashAttention's
+// rule): a path's error vs the oracle should be no more than about twice this loop's
+// (tolerances.h).
 
 #include <vector>
 

@@ -1,6 +1,6 @@
 #pragma once
-// The tolerance rules of oracle runs (oracle_run.h) in low precision, as assertions: STYLE.md's
-// rule against the naive same-precision loop (naive.h), and the bounds each checkpoint
+// The tolerance rules of oracle runs (oracle_run.h) in low precision, as assertions: the rule
+// against the naive same-precision loop (naive.h), and the bounds each checkpoint
 // precision's read copy allows.
 
 #include "replayssm/types.h"
@@ -8,7 +8,7 @@
 
 namespace replayssm::testing {
 
-/// STYLE.md's rule for a low-precision run: the naive same-precision loop ran and really saw an
+/// The rule for a low-precision run: the naive same-precision loop ran and really saw an
 /// error, and the run's error is at most twice it (+ `floor`, for errors exactly zero in both).
 void expect_within_naive(const RunResult& r, double floor);
 /// The bounds of a short fp32-input replay run by checkpoint precision, with u the unit
