@@ -103,6 +103,9 @@ class CallerBuffers {
 #if defined(REPLAYSSM_WITH_CUDA)
         EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
         EXPECT_EQ(cudaMemset(p, 0xA5, bytes), cudaSuccess);
+        // The poison runs on the legacy stream; a view cleared on a non-blocking stream is not
+        // ordered after it (ACapturedStepOnTheEnginesStreamMatches saw 0xA5 left in free slots).
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 #endif
       }
       owned_.push_back(p);
