@@ -2,10 +2,14 @@
 // `replayssm bench --device cuda` runs for one L and one flush pattern, over every L and both
 // flush patterns), then the speculative comparison (`replayssm bench --spec-tokens T`), both
 // layer families. Prints the tables; --json writes them all in bench_write_json's format (the
-// protocol's "cases" and the comparison's "spec_cases"; bench/plot.py draws it).
+// protocol's "cases" and the comparison's "spec_cases"; bench/plot.py draws it). Staggered
+// flushes come first: in serving, requests start at different steps, so every step has rows
+// that fold beside rows that do not; aligned flushes (a batch of equal-length requests) are
+// the comparison.
 //
-//   replayssm_cuda_bench [--shapes nano4b,super120b] [--batches 1,64,256,1024] [--L 8,16,32]
-//                        [--flush aligned,staggered] [--checkpoints fp32,bf16,fp32+bf16,fp32+fp8]
+//   replayssm_cuda_bench [--shapes nano4b,super120b] [--batches 1,4,16,64,256,1024]
+//                        [--L 8,16,32] [--flush staggered,aligned]
+//                        [--checkpoints fp32,bf16,fp32+bf16,fp32+fp8]
 //                        [--spec-window 4] [--spec-accepted 4] [--spec-batches 64,256]
 //                        [--reps 7] [--json out.json]
 
@@ -31,9 +35,9 @@ int main(int argc, char** argv) {
   using namespace replayssm;
   CLI::App app{"The full CUDA sweep of BENCHMARKS.md, then the speculative comparison"};
   std::vector<std::string> shapes = {"nano4b", "super120b"};
-  std::vector<int> batches = {1, 64, 256, 1024};
+  std::vector<int> batches = {1, 4, 16, 64, 256, 1024};
   std::vector<int> buffer_lens = {8, 16, 32};
-  std::vector<std::string> flushes = {"aligned", "staggered"};
+  std::vector<std::string> flushes = {"staggered", "aligned"};
   std::vector<std::string> checkpoints = {"fp32", "bf16", "fp32+bf16", "fp32+fp8"};
   std::vector<int> spec_batches = {64, 256};
   int spec_window = 4, spec_accepted = 4, reps = 7;
@@ -41,7 +45,7 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", shapes, "Layer shapes")->delimiter(',');
   app.add_option("--batches", batches, "Batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
   app.add_option("--L", buffer_lens, "Buffer lengths")->delimiter(',')->check(CLI::PositiveNumber);
-  app.add_option("--flush", flushes, "aligned and/or staggered")
+  app.add_option("--flush", flushes, "staggered (the default first) and/or aligned")
       ->delimiter(',')
       ->check(CLI::IsMember({"aligned", "staggered"}));
   app.add_option("--checkpoints", checkpoints, "Replay checkpoint precisions")

@@ -19,7 +19,7 @@ log() { echo "[device_check $(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>"$OUT/summary.txt" 2>&1
 log "$(cmake --version | head -1); $(nvcc --version | tail -1)"
-cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DREPLAYSSM_ENABLE_CUDA=ON \
+cmake -S . -B build-dev -DCMAKE_BUILD_TYPE=Release -DREPLAYSSM_ENABLE_CUDA=ON -DREPLAYSSM_CUDA_WARN_SPILLS=ON \
   -DCMAKE_CUDA_ARCHITECTURES="90-real;80-virtual" \
   -DREPLAYSSM_THIRD_PARTY_INCLUDE="$PWD/.deps/include" >/tmp/build.log 2>&1 ||
   { log "configure failed"; tail -20 /tmp/build.log; exit 1; }

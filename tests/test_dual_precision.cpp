@@ -24,7 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "testing/test_util.h"
+#include "testing/compare.h"
+#include "testing/names.h"
+#include "testing/oracle_run.h"
 
 namespace replayssm {
 namespace {

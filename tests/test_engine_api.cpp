@@ -20,6 +20,7 @@
 #endif
 
 #include "backend.h"
+#include "testing/require_gpu.h"
 #include "testing/test_util.h"
 
 namespace replayssm {
@@ -102,6 +103,9 @@ class CallerBuffers {
 #if defined(REPLAYSSM_WITH_CUDA)
         EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
         EXPECT_EQ(cudaMemset(p, 0xA5, bytes), cudaSuccess);
+        // The poison runs on the legacy stream; a view cleared on a non-blocking stream is not
+        // ordered after it (ACapturedStepOnTheEnginesStreamMatches saw 0xA5 left in free slots).
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 #endif
       }
       owned_.push_back(p);
@@ -655,16 +659,13 @@ TEST_F(Misuse, ClaimingASlotInUseIsRefused) {
 
 #if defined(REPLAYSSM_WITH_CUDA)
 
-#define REQUIRE_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no GPU"
-
 TEST(CudaCacheView, MatchesTheOwningCacheBitForBit) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   expect_view_matches_owner(Device::kCuda);
 }
 
 TEST(CudaCacheView, RefusesHostMemory) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   const StateCacheConfig c = small_config(LayerKind::kMamba2, DecodeMode::kReplay,
                                           CheckpointPrecision::kFp32, Device::kCuda);
   CallerBuffers host(small_config(LayerKind::kMamba2, DecodeMode::kReplay,
@@ -676,7 +677,7 @@ TEST(CudaCacheView, RefusesHostMemory) {
 }
 
 TEST(CudaCreation, RefusesWhatTheKernelsDoNotRun) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   struct Case {
     std::string name;
     std::function<void(StateCacheConfig&)> edit;
@@ -720,7 +721,7 @@ TEST(CudaCreation, RefusesWhatTheKernelsDoNotRun) {
 // An engine's step: its own device buffers, its own stream, every layer's verify and the commit
 // captured into one CUDA graph, replayed; the owning cache runs the same steps directly.
 TEST(CudaCacheView, ACapturedStepOnTheEnginesStreamMatches) {
-  REQUIRE_GPU();
+  SKIP_WITHOUT_GPU();
   for (LayerKind kind : {LayerKind::kMamba2, LayerKind::kGdn}) {
     StateCacheConfig c = small_config(kind, DecodeMode::kReplay, CheckpointPrecision::kFp32Bf16,
                                       Device::kCuda);

@@ -12,14 +12,20 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
-#include "testing/test_util.h"
+#include "testing/family_cases.h"
+#include "testing/names.h"
+#include "testing/oracle_run.h"
+#include "testing/tolerances.h"
 
 namespace replayssm {
 namespace {
 
+using testing::dtype_tag;
+using testing::int_tag;
 using testing::RunResult;
 using testing::RunSpec;
 
@@ -50,9 +56,9 @@ void set_keys(RunSpec* spec, bool l2norm, float scale) {
   spec->recipe.unit_keys = !l2norm;  // raw keys must keep β|k|² < 2
 }
 
+std::string keys_tag(bool l2norm) { return l2norm ? "L2Norm" : "RawKeys"; }
 std::string keys_tag(bool l2norm, float scale) {
-  return std::string(l2norm ? "L2Norm" : "RawKeys") +
-         (scale == 0.0f ? "_DefaultScale" : testing::int_tag("_Scale", int(scale * 100)));
+  return keys_tag(l2norm) + (scale == 0.0f ? "_DefaultScale" : int_tag("_Scale", int(scale * 100)));
 }
 
 // ---- eager --------------------------------------------------------------------------------
@@ -62,6 +68,10 @@ struct EagerCase {
   DType input;
   bool l2norm;
 };
+void PrintTo(const EagerCase& c, std::ostream* os) {
+  *os << "State" << dtype_tag(c.state) << "_Input" << dtype_tag(c.input) << "_"
+      << keys_tag(c.l2norm);
+}
 
 class GdnEager : public ::testing::TestWithParam<EagerCase> {};
 
@@ -96,10 +106,7 @@ INSTANTIATE_TEST_SUITE_P(
                       EagerCase{DType::kBF16, DType::kBF16, true},
                       EagerCase{DType::kF16, DType::kF32, true},
                       EagerCase{DType::kF16, DType::kF16, false}),
-    [](const ::testing::TestParamInfo<EagerCase>& i) {
-      return "State" + testing::dtype_tag(i.param.state) + "_Input" +
-             testing::dtype_tag(i.param.input) + (i.param.l2norm ? "_L2Norm" : "_RawKeys");
-    });
+    ::testing::PrintToStringParamName());
 
 // ---- replay, plain decoding ---------------------------------------------------------------
 
@@ -109,6 +116,9 @@ struct ReplayCase {
   bool l2norm;
   float scale;
 };
+void PrintTo(const ReplayCase& c, std::ostream* os) {
+  *os << int_tag("L", c.L) << "_Input" << dtype_tag(c.input) << "_" << keys_tag(c.l2norm, c.scale);
+}
 
 class GdnReplay : public ::testing::TestWithParam<ReplayCase> {};
 
@@ -147,10 +157,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ReplayCase{16, DType::kF32, false, 0.0f},
                       ReplayCase{16, DType::kBF16, true, 0.0f},
                       ReplayCase{16, DType::kF16, true, 0.0f}),
-    [](const ::testing::TestParamInfo<ReplayCase>& i) {
-      return testing::int_tag("L", i.param.L) + "_Input" + testing::dtype_tag(i.param.input) +
-             "_" + keys_tag(i.param.l2norm, i.param.scale);
-    });
+    ::testing::PrintToStringParamName());
 
 // Strong decays (α = e^-8 per token): a fold's decay product underflows within one cycle of
 // L = 16, which the fold must absorb: no 1/Γ may turn into inf (the CPU fold's chunk form
@@ -196,38 +203,19 @@ TEST_P(GdnReplayParallelKeys, MatchesOracle) {
 
 INSTANTIATE_TEST_SUITE_P(L, GdnReplayParallelKeys, ::testing::Values(16, 40, 64),
                          [](const ::testing::TestParamInfo<int>& i) {
-                           return testing::int_tag("L", i.param);
+                           return int_tag("L", i.param);
                          });
 
-struct StructuredCase {
-  DecodeMode mode;
-  int L;
-};
-class GdnStructured : public ::testing::TestWithParam<StructuredCase> {};
+// Arange-like inputs at a shape with no power of two (testing::StructuredCase).
+class GdnStructured : public ::testing::TestWithParam<testing::StructuredCase> {};
 
 TEST_P(GdnStructured, OddShapeMatchesOracle) {
-  const StructuredCase c = GetParam();
-  RunSpec spec = gdn_spec(kOdd, c.mode, DType::kF32);
-  spec.cache.buffer_len = c.L;
-  spec.recipe.structured = true;
-  spec.batch = 3;
-  spec.steps = std::max(4 * c.L, 24) + 1;
-  spec.seed = 8;
-  const RunResult r = testing::run_gdn(spec);
-  ASSERT_EQ(r.failure, "");
-  EXPECT_LE(r.max_error, kFp32Tol);
-  EXPECT_LE(r.export_error, kFp32Tol);
+  const RunSpec spec = gdn_spec(kOdd, GetParam().mode, DType::kF32);
+  testing::expect_structured_matches_oracle(spec, GetParam(), 8, kFp32Tol);
 }
 
-INSTANTIATE_TEST_SUITE_P(ModeL, GdnStructured,
-                         ::testing::Values(StructuredCase{DecodeMode::kEager, 1},
-                                           StructuredCase{DecodeMode::kReplay, 1},
-                                           StructuredCase{DecodeMode::kReplay, 3}),
-                         [](const ::testing::TestParamInfo<StructuredCase>& i) {
-                           return std::string(i.param.mode == DecodeMode::kEager ? "Eager"
-                                                                                 : "Replay") +
-                                  testing::int_tag("_L", i.param.L);
-                         });
+INSTANTIATE_TEST_SUITE_P(ModeL, GdnStructured, ::testing::ValuesIn(testing::kStructuredCases),
+                         ::testing::PrintToStringParamName());
 
 // ---- replay, speculative windows with random acceptance -----------------------------------
 
@@ -238,6 +226,10 @@ struct SpecCase {
   DType input;
   bool l2norm;
 };
+void PrintTo(const SpecCase& c, std::ostream* os) {
+  *os << int_tag("T", c.T) << int_tag("_L", c.L) << int_tag("_Layers", c.layers) << "_Input"
+      << dtype_tag(c.input) << "_" << keys_tag(c.l2norm);
+}
 
 class GdnSpec : public ::testing::TestWithParam<SpecCase> {};
 
@@ -276,73 +268,35 @@ INSTANTIATE_TEST_SUITE_P(
                       SpecCase{2, 16, 3, DType::kF32, true}, SpecCase{4, 1, 3, DType::kF32, true},
                       SpecCase{4, 2, 1, DType::kF32, true}, SpecCase{4, 16, 1, DType::kF32, false},
                       SpecCase{4, 16, 3, DType::kF32, true}, SpecCase{4, 5, 3, DType::kBF16, true}),
-    [](const ::testing::TestParamInfo<SpecCase>& i) {
-      return testing::int_tag("T", i.param.T) + testing::int_tag("_L", i.param.L) + testing::int_tag("_Layers", i.param.layers) + "_Input" + testing::dtype_tag(i.param.input) +
-             (i.param.l2norm ? "_L2Norm" : "_RawKeys");
-    });
+    ::testing::PrintToStringParamName());
 
-struct WindowCase {
-  int T;
-  int L;
-};
-class GdnWindow : public ::testing::TestWithParam<WindowCase> {};
+// k single-token decodes and one k-token window on the same tokens (testing::WindowCase).
+class GdnWindow : public ::testing::TestWithParam<testing::WindowCase> {};
 
 TEST_P(GdnWindow, KSingleStepsEqualOneKTokenWindow) {
-  const WindowCase c = GetParam();
   StateCacheConfig cfg;
   cfg.kind = LayerKind::kGdn;
   cfg.gdn = kSmall;
-  cfg.capacity = 2;
-  cfg.buffer_len = c.L;
-  cfg.max_spec_tokens = c.T;
-  testing::WindowPair p = testing::make_window_pair(cfg, 2);
-  double worst = 0.0;
-  ASSERT_NO_FATAL_FAILURE(testing::run_window_vs_single(p, 410 + c.T, 4 * c.L + 6, &worst));
-  EXPECT_LE(worst, kFp32Tol);
-  testing::expect_window_states_match(p, kFp32Tol);
+  testing::expect_window_equals_single_steps(cfg, GetParam(), 410 + GetParam().T, kFp32Tol);
 }
 
-INSTANTIATE_TEST_SUITE_P(TL, GdnWindow,
-                         ::testing::Values(WindowCase{2, 1}, WindowCase{2, 3}, WindowCase{4, 2},
-                                           WindowCase{4, 16}),
-                         [](const ::testing::TestParamInfo<WindowCase>& i) {
-                           return testing::int_tag("T", i.param.T) + testing::int_tag("_L", i.param.L);
-                         });
+INSTANTIATE_TEST_SUITE_P(TL, GdnWindow, ::testing::ValuesIn(testing::kWindowCases),
+                         ::testing::PrintToStringParamName());
 
 // ---- checkpoint precisions ------------------------------------------------------------------
 
-struct PrecisionCase {
-  CheckpointPrecision precision;
-  int L;
-};
-class GdnPrecision : public ::testing::TestWithParam<PrecisionCase> {};
+class GdnPrecision : public ::testing::TestWithParam<testing::PrecisionCase> {};
 
+// o = S_c·t + ring terms: the read copy's per-element rounding (u for bf16; u of the row's
+// max for fp8 with a per-row scale) over K = 16 terms with random signs: a couple of u of
+// max|o| (measured: bf16 <= 0.7u, fp8 <= 0.75u).
 TEST_P(GdnPrecision, BoundedByTheReadCopy) {
-  const PrecisionCase c = GetParam();
-  RunSpec spec = gdn_spec(kSmall, DecodeMode::kReplay, DType::kF32);
-  spec.cache.buffer_len = c.L;
-  spec.cache.checkpoint = c.precision;
-  spec.batch = 3;
-  spec.steps = 4 * c.L + 3;
-  spec.seed = 510 + c.L;
-  const RunResult r = testing::run_gdn(spec);
-  ASSERT_EQ(r.failure, "");
-  // o = S_c·t + ring terms: the read copy's per-element rounding (u for bf16; u of the row's
-  // max for fp8 with a per-row scale) over K = 16 terms with random signs: a couple of u of
-  // max|o| (measured: bf16 <= 0.7u, fp8 <= 0.75u).
-  testing::expect_checkpoint_bounds(r, c.precision, kFp32Tol);
+  const RunSpec spec = gdn_spec(kSmall, DecodeMode::kReplay, DType::kF32);
+  testing::expect_checkpoint_precision_bounds(spec, GetParam(), 510 + GetParam().L, kFp32Tol);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    PrecisionL, GdnPrecision,
-    ::testing::Values(PrecisionCase{CheckpointPrecision::kFp32Bf16, 2},
-                      PrecisionCase{CheckpointPrecision::kFp32Bf16, 16},
-                      PrecisionCase{CheckpointPrecision::kFp32Fp8, 2},
-                      PrecisionCase{CheckpointPrecision::kFp32Fp8, 16},
-                      PrecisionCase{CheckpointPrecision::kBf16, 4}),
-    [](const ::testing::TestParamInfo<PrecisionCase>& i) {
-      return testing::precision_tag(i.param.precision) + testing::int_tag("_L", i.param.L);
-    });
+INSTANTIATE_TEST_SUITE_P(PrecisionL, GdnPrecision, ::testing::ValuesIn(testing::kPrecisionCases),
+                         ::testing::PrintToStringParamName());
 
 // ---- a real shape: Qwen3.5-4B's Hk=16, Hv=32, K=V=128 --------------------------------------
 

@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -40,15 +41,13 @@ namespace {
 
 using testing::GdnCall;
 using testing::kAllPrecisions;
+using testing::NamedShape;
 using testing::shape_tag;
 using testing::side_config;
 using testing::side_name;
 using testing::GdnTokens;
 using testing::Recipe;
 using testing::Rng;
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU"
 
 const GdnShape kSmall{2, 4, 32, 16};       // 2 value heads per key head
 const GdnShape kOdd{2, 6, 16, 7};          // G = 3, V = 7: G·V not a whole 16-byte run
@@ -91,21 +90,23 @@ TEST_P(GdnCudaVsCpu, SameOutputsStatesAndCursors) {
 std::vector<SideCase> side_cases() {
   std::vector<SideCase> out;
   constexpr auto kF32 = DType::kF32, kBF16 = DType::kBF16;
+  const NamedShape<GdnShape> small{"small", kSmall}, odd{"odd", kOdd};
+  const NamedShape<GdnShape> qwen4b{"qwen4b", kQwen4b}, qwen122b{"qwen122b", kQwen122b};
   // Eager, both state dtypes, an odd shape (rows past the head in the last pass), raw q/k.
-  testing::add_eager_cases("small", kOdd, {kF32, kBF16}, {kF32, kBF16}, &out);
-  SideCase raw{"small", kSmall, DecodeMode::kEager};
+  testing::add_eager_cases(odd, {kF32, kBF16}, {kF32, kBF16}, &out);
+  SideCase raw{small.name, small.shape, DecodeMode::kEager};
   raw.qk_l2norm = false;
   out.push_back(raw);
   // Replay, every checkpoint precision, plain and speculative.
-  testing::add_replay_cases("small", kSmall, kOdd, {kF32, kBF16}, {kF32, kBF16}, &out);
-  SideCase wide{"small", kSmall, DecodeMode::kReplay};  // the widest window, raw q/k
+  testing::add_replay_cases(small, odd, {kF32, kBF16}, {kF32, kBF16}, &out);
+  SideCase wide{small.name, small.shape, DecodeMode::kReplay};  // the widest window, raw q/k
   wide.window = 8;
   wide.buffer_len = 3;
   wide.steps = 20;
   wide.stagger = 1;
   wide.qk_l2norm = false;
   out.push_back(wide);
-  testing::add_real_shape_cases({kQwen4b, kQwen122b}, {kF32, kBF16}, kQwen4b, &out);
+  testing::add_real_shape_cases({qwen4b, qwen122b}, {kF32, kBF16}, qwen4b, &out);
   return out;
 }
 
@@ -120,6 +121,10 @@ struct OracleCase {
   int window;
   GdnShape shape;
 };
+void PrintTo(const OracleCase& c, std::ostream* os) {
+  *os << testing::precision_tag(c.checkpoint) << "_in" << testing::dtype_tag(c.input)
+      << testing::int_tag("_T", c.window) << "_" << shape_tag(c.shape);
+}
 
 class GdnCudaOracle : public ::testing::TestWithParam<OracleCase> {};
 
@@ -174,11 +179,7 @@ INSTANTIATE_TEST_SUITE_P(
                       OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 1, kSmall},
                       OracleCase{CheckpointPrecision::kBf16, DType::kBF16, 4, kSmall},
                       OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4, kSmall}),
-    [](const ::testing::TestParamInfo<OracleCase>& p) {
-      return testing::precision_tag(p.param.checkpoint) + "_in" +
-             testing::dtype_tag(p.param.input) + "_T" + std::to_string(p.param.window) + "_" +
-             shape_tag(p.param.shape);
-    });
+    ::testing::PrintToStringParamName());
 
 // Dual precision over a long memory (ALGORITHM.md §6, §10; the CPU version is
 // test_dual_precision.cpp): g ≈ −0.001 and β ~ U(0.02, 0.06), about 1,000 tokens of memory,

@@ -18,6 +18,7 @@ namespace replayssm {
 namespace {
 
 using SideCase = testing::SideCase<GdnShape>;
+using testing::NamedShape;
 
 const GdnShape kK8{2, 4, 8, 8};        // K below the tuned kernels' 16-column vectors
 const GdnShape kK24{2, 4, 24, 40};     // K not a multiple of 16, V != K
@@ -28,7 +29,7 @@ const GdnShape kK256{2, 2, 256, 256};  // K and V past 128
 class GdnGenericCudaVsCpu : public ::testing::TestWithParam<SideCase> {};
 
 TEST_P(GdnGenericCudaVsCpu, SameOutputsStatesAndCursors) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
   testing::CudaVsCpuSpec spec;
   spec.config = testing::side_config(c);
@@ -51,14 +52,16 @@ TEST_P(GdnGenericCudaVsCpu, SameOutputsStatesAndCursors) {
 std::vector<SideCase> generic_cases() {
   std::vector<SideCase> out;
   constexpr auto kF32 = DType::kF32, kBF16 = DType::kBF16;
-  testing::add_eager_cases("k8", kK8, {kF32, kBF16}, {kF32, kBF16}, &out);
-  testing::add_eager_cases("k256", kK256, {kBF16}, {kF32}, &out);
-  testing::add_replay_cases("k24", kK24, kK24Odd, {kF32, kBF16}, {kF32}, &out);
-  testing::add_replay_cases("k8", kK8, kK8, {kF32}, {kBF16}, &out);
-  testing::add_replay_cases("k192", kK192, kK192, {kBF16}, {kBF16}, &out);
-  testing::add_replay_cases("k256", kK256, kK256, {kBF16}, {kF32}, &out);
+  const NamedShape<GdnShape> k8{"k8", kK8}, k24{"k24", kK24}, k24odd{"k24odd", kK24Odd};
+  const NamedShape<GdnShape> k192{"k192", kK192}, k256{"k256", kK256};
+  testing::add_eager_cases(k8, {kF32, kBF16}, {kF32, kBF16}, &out);
+  testing::add_eager_cases(k256, {kBF16}, {kF32}, &out);
+  testing::add_replay_cases(k24, k24odd, {kF32, kBF16}, {kF32}, &out);
+  testing::add_replay_cases(k8, k8, {kF32}, {kBF16}, &out);
+  testing::add_replay_cases(k192, k192, {kBF16}, {kBF16}, &out);
+  testing::add_replay_cases(k256, k256, {kBF16}, {kF32}, &out);
   // A window wider than the tuned walks (T = 12), raw q/k.
-  SideCase wide{"wide", kK24, DecodeMode::kReplay};
+  SideCase wide{k24.name, k24.shape, DecodeMode::kReplay};
   wide.window = 12;
   wide.buffer_len = 3;
   wide.steps = 24;
@@ -67,7 +70,7 @@ std::vector<SideCase> generic_cases() {
   out.push_back(wide);
   // A buffer length whose staging does not fit the tuned kernel's shared memory (K = V = 128,
   // bf16: ~0.8 KB per staged record), over four fold cycles.
-  SideCase long_l{"longL", GdnShape{1, 2, 128, 128}, DecodeMode::kReplay};
+  SideCase long_l{"k128", GdnShape{1, 2, 128, 128}, DecodeMode::kReplay};
   long_l.checkpoint = CheckpointPrecision::kFp32Bf16;
   long_l.input = kBF16;
   long_l.buffer_len = 320;

@@ -11,14 +11,20 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string>
+#include <ostream>
 #include <vector>
 
-#include "testing/test_util.h"
+#include "testing/family_cases.h"
+#include "testing/names.h"
+#include "testing/oracle_run.h"
+#include "testing/tolerances.h"
+#include "testing/window_pair.h"
 
 namespace replayssm {
 namespace {
 
+using testing::dtype_tag;
+using testing::int_tag;
 using testing::RunResult;
 using testing::RunSpec;
 
@@ -48,6 +54,10 @@ struct EagerCase {
   DType input;
   bool gate;
 };
+void PrintTo(const EagerCase& c, std::ostream* os) {
+  *os << "State" << dtype_tag(c.state) << "_Input" << dtype_tag(c.input)
+      << (c.gate ? "_Gate" : "_NoGate");
+}
 
 class Mamba2Eager : public ::testing::TestWithParam<EagerCase> {};
 
@@ -82,10 +92,7 @@ INSTANTIATE_TEST_SUITE_P(
                       EagerCase{DType::kBF16, DType::kBF16, true},
                       EagerCase{DType::kF16, DType::kF32, false},
                       EagerCase{DType::kF16, DType::kF16, true}),
-    [](const ::testing::TestParamInfo<EagerCase>& i) {
-      return "State" + testing::dtype_tag(i.param.state) + "_Input" +
-             testing::dtype_tag(i.param.input) + (i.param.gate ? "_Gate" : "_NoGate");
-    });
+    ::testing::PrintToStringParamName());
 
 // ---- replay, plain decoding ---------------------------------------------------------------
 
@@ -94,6 +101,9 @@ struct ReplayCase {
   DType input;
   bool gate;
 };
+void PrintTo(const ReplayCase& c, std::ostream* os) {
+  *os << int_tag("L", c.L) << "_Input" << dtype_tag(c.input) << (c.gate ? "_Gate" : "_NoGate");
+}
 
 class Mamba2Replay : public ::testing::TestWithParam<ReplayCase> {};
 
@@ -126,43 +136,19 @@ INSTANTIATE_TEST_SUITE_P(
                       ReplayCase{2, DType::kF32, true}, ReplayCase{2, DType::kBF16, false},
                       ReplayCase{16, DType::kF32, false}, ReplayCase{16, DType::kF32, true},
                       ReplayCase{16, DType::kBF16, true}, ReplayCase{16, DType::kF16, false}),
-    [](const ::testing::TestParamInfo<ReplayCase>& i) {
-      return testing::int_tag("L", i.param.L) + "_Input" + testing::dtype_tag(i.param.input) +
-             (i.param.gate ? "_Gate" : "_NoGate");
-    });
+    ::testing::PrintToStringParamName());
 
-// Arange-like inputs at a shape with no power of two: a swapped axis or a wrong stride moves a
-// value to where a different one is expected, which random data can average away.
-struct StructuredCase {
-  DecodeMode mode;
-  int L;
-};
-class Mamba2Structured : public ::testing::TestWithParam<StructuredCase> {};
+// Arange-like inputs at a shape with no power of two (testing::StructuredCase).
+class Mamba2Structured : public ::testing::TestWithParam<testing::StructuredCase> {};
 
 TEST_P(Mamba2Structured, OddShapeMatchesOracle) {
-  const StructuredCase c = GetParam();
-  RunSpec spec = mamba2_spec(kOdd, c.mode, DType::kF32);
-  spec.cache.buffer_len = c.L;
-  spec.recipe.structured = true;
-  spec.batch = 3;
-  spec.steps = std::max(4 * c.L, 24) + 1;
+  RunSpec spec = mamba2_spec(kOdd, GetParam().mode, DType::kF32);
   spec.gate = true;
-  spec.seed = 7;
-  const RunResult r = testing::run_mamba2(spec);
-  ASSERT_EQ(r.failure, "");
-  EXPECT_LE(r.max_error, kFp32Tol);
-  EXPECT_LE(r.export_error, kFp32Tol);
+  testing::expect_structured_matches_oracle(spec, GetParam(), 7, kFp32Tol);
 }
 
-INSTANTIATE_TEST_SUITE_P(ModeL, Mamba2Structured,
-                         ::testing::Values(StructuredCase{DecodeMode::kEager, 1},
-                                           StructuredCase{DecodeMode::kReplay, 1},
-                                           StructuredCase{DecodeMode::kReplay, 3}),
-                         [](const ::testing::TestParamInfo<StructuredCase>& i) {
-                           return std::string(i.param.mode == DecodeMode::kEager ? "Eager"
-                                                                                 : "Replay") +
-                                  testing::int_tag("_L", i.param.L);
-                         });
+INSTANTIATE_TEST_SUITE_P(ModeL, Mamba2Structured, ::testing::ValuesIn(testing::kStructuredCases),
+                         ::testing::PrintToStringParamName());
 
 // ---- replay, speculative windows with random acceptance -----------------------------------
 
@@ -172,6 +158,10 @@ struct SpecCase {
   int layers;
   DType input;
 };
+void PrintTo(const SpecCase& c, std::ostream* os) {
+  *os << int_tag("T", c.T) << int_tag("_L", c.L) << int_tag("_Layers", c.layers) << "_Input"
+      << dtype_tag(c.input);
+}
 
 class Mamba2Spec : public ::testing::TestWithParam<SpecCase> {};
 
@@ -214,76 +204,36 @@ INSTANTIATE_TEST_SUITE_P(
                       SpecCase{2, 16, 3, DType::kF32}, SpecCase{4, 1, 3, DType::kF32},
                       SpecCase{4, 2, 1, DType::kF32}, SpecCase{4, 16, 1, DType::kF32},
                       SpecCase{4, 16, 3, DType::kF32}, SpecCase{4, 5, 3, DType::kBF16}),
-    [](const ::testing::TestParamInfo<SpecCase>& i) {
-      return testing::int_tag("T", i.param.T) + testing::int_tag("_L", i.param.L) + testing::int_tag("_Layers", i.param.layers) + "_Input" + testing::dtype_tag(i.param.input);
-    });
+    ::testing::PrintToStringParamName());
 
 // k single-token decodes (commit 1 each) and one k-token window (commit k) on the same tokens
 // give the same outputs, round after round across folds.
-struct WindowCase {
-  int T;
-  int L;
-};
-class Mamba2Window : public ::testing::TestWithParam<WindowCase> {};
+class Mamba2Window : public ::testing::TestWithParam<testing::WindowCase> {};
 
 TEST_P(Mamba2Window, KSingleStepsEqualOneKTokenWindow) {
-  const WindowCase c = GetParam();
   StateCacheConfig cfg;
   cfg.kind = LayerKind::kMamba2;
   cfg.mamba2 = kSmall;
-  cfg.capacity = 2;
-  cfg.buffer_len = c.L;
-  cfg.max_spec_tokens = c.T;
-  testing::WindowPair p = testing::make_window_pair(cfg, 2);
-  double worst = 0.0;
-  ASSERT_NO_FATAL_FAILURE(testing::run_window_vs_single(p, 400 + c.T, 4 * c.L + 6, &worst));
-  EXPECT_LE(worst, kFp32Tol);
-  EXPECT_EQ(testing::cursor_committed(*p.window, p.ws[0]),
-            testing::cursor_committed(*p.single, p.ss[0]));
-  testing::expect_window_states_match(p, kFp32Tol);
+  testing::expect_window_equals_single_steps(cfg, GetParam(), 400 + GetParam().T, kFp32Tol);
 }
 
-INSTANTIATE_TEST_SUITE_P(TL, Mamba2Window,
-                         ::testing::Values(WindowCase{2, 1}, WindowCase{2, 3}, WindowCase{4, 2},
-                                           WindowCase{4, 16}),
-                         [](const ::testing::TestParamInfo<WindowCase>& i) {
-                           return testing::int_tag("T", i.param.T) + testing::int_tag("_L", i.param.L);
-                         });
+INSTANTIATE_TEST_SUITE_P(TL, Mamba2Window, ::testing::ValuesIn(testing::kWindowCases),
+                         ::testing::PrintToStringParamName());
 
 // ---- checkpoint precisions (short runs; the long-memory study is test_dual_precision) ------
 
-struct PrecisionCase {
-  CheckpointPrecision precision;
-  int L;
-};
-class Mamba2Precision : public ::testing::TestWithParam<PrecisionCase> {};
+class Mamba2Precision : public ::testing::TestWithParam<testing::PrecisionCase> {};
 
+// Output error: the read copy's rounding of S_c·C. Each element is within u of itself (bf16)
+// or of its row's max (fp8 e4m3 with a per-row scale max|row|/448); y sums N = 16 such terms
+// with random signs, so a couple of u of max|y| bound it (measured: bf16 <= 0.8u, fp8 <= u).
 TEST_P(Mamba2Precision, BoundedByTheReadCopy) {
-  const PrecisionCase c = GetParam();
-  RunSpec spec = mamba2_spec(kSmall, DecodeMode::kReplay, DType::kF32);
-  spec.cache.buffer_len = c.L;
-  spec.cache.checkpoint = c.precision;
-  spec.batch = 3;
-  spec.steps = 4 * c.L + 3;
-  spec.seed = 500 + c.L;
-  const RunResult r = testing::run_mamba2(spec);
-  ASSERT_EQ(r.failure, "");
-  // Output error: the read copy's rounding of S_c·C. Each element is within u of itself (bf16)
-  // or of its row's max (fp8 e4m3 with a per-row scale max|row|/448); y sums N = 16 such terms
-  // with random signs, so a couple of u of max|y| bound it (measured: bf16 <= 0.8u, fp8 <= u).
-  testing::expect_checkpoint_bounds(r, c.precision, kFp32Tol);
+  const RunSpec spec = mamba2_spec(kSmall, DecodeMode::kReplay, DType::kF32);
+  testing::expect_checkpoint_precision_bounds(spec, GetParam(), 500 + GetParam().L, kFp32Tol);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    PrecisionL, Mamba2Precision,
-    ::testing::Values(PrecisionCase{CheckpointPrecision::kFp32Bf16, 2},
-                      PrecisionCase{CheckpointPrecision::kFp32Bf16, 16},
-                      PrecisionCase{CheckpointPrecision::kFp32Fp8, 2},
-                      PrecisionCase{CheckpointPrecision::kFp32Fp8, 16},
-                      PrecisionCase{CheckpointPrecision::kBf16, 4}),
-    [](const ::testing::TestParamInfo<PrecisionCase>& i) {
-      return testing::precision_tag(i.param.precision) + testing::int_tag("_L", i.param.L);
-    });
+INSTANTIATE_TEST_SUITE_P(PrecisionL, Mamba2Precision, ::testing::ValuesIn(testing::kPrecisionCases),
+                         ::testing::PrintToStringParamName());
 
 // ---- a real shape: Nemotron-3-Super-120B's H=128, P=64, N=128, G=8 -------------------------
 

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -32,16 +33,13 @@ namespace {
 
 using testing::kAllPrecisions;
 using testing::Mamba2Call;
-using testing::shape_tag;
+using testing::NamedShape;
 using testing::side_config;
 using testing::side_name;
 using testing::Mamba2Layer;
 using testing::Mamba2Tokens;
 using testing::Recipe;
 using testing::Rng;
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU"
 
 const Mamba2Shape kSmall{4, 16, 128, 2};      // 2 heads per group
 const Mamba2Shape kOddRows{6, 20, 128, 3};    // head_dim 20: threads with rows past the head
@@ -88,16 +86,19 @@ TEST_P(Mamba2CudaVsCpu, SameOutputsStatesAndCursors) {
 std::vector<SideCase> side_cases() {
   std::vector<SideCase> out;
   constexpr auto kF32 = DType::kF32, kBF16 = DType::kBF16, kF16 = DType::kF16;
+  const NamedShape<Mamba2Shape> small{"small", kSmall}, odd_rows{"oddrows", kOddRows};
+  const NamedShape<Mamba2Shape> golden{"golden", kGolden}, generic{"generic", kGeneric};
+  const NamedShape<Mamba2Shape> nano4b{"nano4b", kNano4b}, super120b{"super120b", kSuper120b};
   // Eager, every state dtype, odd head_dim (rows past the head in the last pass).
-  testing::add_eager_cases("small", kOddRows, {kF32, kBF16}, {kF32, kBF16, kF16}, &out);
+  testing::add_eager_cases(odd_rows, {kF32, kBF16}, {kF32, kBF16, kF16}, &out);
   // Replay, every checkpoint precision, plain and speculative.
-  testing::add_replay_cases("small", kSmall, kOddRows, {kF32, kBF16}, {kF32, kBF16}, &out);
+  testing::add_replay_cases(small, odd_rows, {kF32, kBF16}, {kF32, kBF16}, &out);
   // Shapes off the tuned kernels (dstate != 128) take the generic ones: the same cases.
-  for (const Mamba2Shape& s : {kGolden, kGeneric}) {
-    testing::add_eager_cases("generic", s, {kF32}, {kF32, kBF16, kF16}, &out);
-    testing::add_replay_cases("generic", s, s, {kF32, kBF16}, {kF32}, &out);
+  for (const NamedShape<Mamba2Shape>& s : {golden, generic}) {
+    testing::add_eager_cases(s, {kF32}, {kF32, kBF16, kF16}, &out);
+    testing::add_replay_cases(s, s, {kF32, kBF16}, {kF32}, &out);
   }
-  testing::add_real_shape_cases({kNano4b, kSuper120b}, {kF32}, kSuper120b, &out);
+  testing::add_real_shape_cases({nano4b, super120b}, {kF32}, super120b, &out);
   return out;
 }
 
@@ -112,9 +113,9 @@ struct OracleCase {
   int window;
 };
 
-std::string oracle_name(const ::testing::TestParamInfo<OracleCase>& info) {
-  return testing::precision_tag(info.param.checkpoint) + "_in" +
-         testing::dtype_tag(info.param.input) + "_T" + std::to_string(info.param.window);
+void PrintTo(const OracleCase& c, std::ostream* os) {
+  *os << testing::precision_tag(c.checkpoint) << "_in" << testing::dtype_tag(c.input)
+      << testing::int_tag("_T", c.window);
 }
 
 class Mamba2CudaOracle : public ::testing::TestWithParam<OracleCase> {};
@@ -165,7 +166,7 @@ INSTANTIATE_TEST_SUITE_P(
                       OracleCase{CheckpointPrecision::kFp32, DType::kF32, 4},
                       OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 1},
                       OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4}),
-    oracle_name);
+    ::testing::PrintToStringParamName());
 
 // ---- device-only properties ------------------------------------------------------------------
 

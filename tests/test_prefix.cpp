@@ -33,6 +33,7 @@
 #include "common/numeric.h"
 #include "cpu/reference.h"
 #include "replayssm/prefix.h"
+#include "testing/require_gpu.h"
 #include "testing/test_util.h"
 
 namespace replayssm {
@@ -632,7 +633,9 @@ class Continue : public ::testing::TestWithParam<PrefixCase> {
 
   void SetUp() override {
     const PrefixCase& c = GetParam();
-    if (c.device == Device::kCuda && !cuda_available()) GTEST_SKIP() << "no GPU";
+    if (c.device == Device::kCuda) {
+      SKIP_WITHOUT_GPU();
+    }
     cfg_ = case_config(c, 8);
     work_ = std::make_unique<Workload>(cfg_, 1, kLength, 29);
     auto ref = testing::create_cache(cfg_);
@@ -944,7 +947,7 @@ class CudaMaterialize : public ::testing::TestWithParam<PrefixCase> {};
 // must skip or poison ride along: a pad row, a free slot and an id out of range (untouched),
 // a position past the committed end (NaN). The cache is not changed.
 TEST_P(CudaMaterialize, MatchesTheCpuCacheAndTheOracle) {
-  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  SKIP_WITHOUT_GPU();
   const PrefixCase& c = GetParam();
   PrefixCase on_cpu = c;
   on_cpu.device = Device::kCpu;
@@ -1033,7 +1036,7 @@ struct CudaFixture {
 // Bad rows of the device lists are skipped beside good ones; the single-slot ops refuse on the
 // host with nothing changed.
 TEST(CudaPrefixRows, BadRowsAreSkippedAndBadEntriesRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  SKIP_WITHOUT_GPU();
   for (LayerKind kind : {LayerKind::kMamba2, LayerKind::kGdn}) {
     SCOPED_TRACE(kind == LayerKind::kMamba2 ? "mamba2" : "gdn");
     CudaFixture f(kind);
@@ -1077,7 +1080,7 @@ TEST(CudaPrefixRows, BadRowsAreSkippedAndBadEntriesRefused) {
 // Materialize, fork and truncate captured on the engine's stream into a CUDA graph and
 // replayed: the same bytes as the same calls made directly on a twin cache.
 TEST(CudaPrefixGraph, CapturedOpsMatchDirectCalls) {
-  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  SKIP_WITHOUT_GPU();
   for (LayerKind kind : {LayerKind::kMamba2, LayerKind::kGdn}) {
     SCOPED_TRACE(kind == LayerKind::kMamba2 ? "mamba2" : "gdn");
     CudaFixture direct(kind), graphed(kind);

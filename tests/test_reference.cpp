@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "cpu/reference.h"
-#include "testing/test_util.h"
+#include "testing/inputs.h"
 
 namespace replayssm {
 namespace {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,10 @@ namespace replayssm {
 namespace {
 
 using testing::CacheBytes;
+using testing::dtype_tag;
+using testing::kind_tag;
+using testing::mode_tag;
+using testing::precision_tag;
 using testing::Rng;
 
 const Mamba2Shape kM2{4, 8, 16, 2};
@@ -34,8 +39,6 @@ StateCacheConfig make_config(LayerKind kind, DecodeMode mode = DecodeMode::kRepl
   c.max_spec_tokens = 4;
   return c;
 }
-
-std::string kind_tag(LayerKind k) { return k == LayerKind::kMamba2 ? "Mamba2" : "Gdn"; }
 
 // Random inputs for either layer kind, and one decode call of them.
 struct Tokens {
@@ -146,6 +149,9 @@ struct VerifyCase {
   LayerKind kind;
   CheckpointPrecision precision;
 };
+void PrintTo(const VerifyCase& c, std::ostream* os) {
+  *os << kind_tag(c.kind) << "_" << precision_tag(c.precision);
+}
 class StateCacheVerify : public ::testing::TestWithParam<VerifyCase> {};
 
 // Two caches on the same tokens; A also verifies a 4-token window of random drafts and commits
@@ -237,9 +243,7 @@ INSTANTIATE_TEST_SUITE_P(
                       VerifyCase{LayerKind::kGdn, CheckpointPrecision::kFp32Bf16},
                       VerifyCase{LayerKind::kGdn, CheckpointPrecision::kFp32Fp8},
                       VerifyCase{LayerKind::kGdn, CheckpointPrecision::kBf16}),
-    [](const ::testing::TestParamInfo<VerifyCase>& i) {
-      return kind_tag(i.param.kind) + "_" + testing::precision_tag(i.param.precision);
-    });
+    ::testing::PrintToStringParamName());
 
 // ---- pad rows and guard slots -------------------------------------------------------------
 
@@ -248,9 +252,8 @@ struct KindModeCase {
   DecodeMode mode;
   DType input;
 };
-std::string kind_mode_name(const ::testing::TestParamInfo<KindModeCase>& i) {
-  return kind_tag(i.param.kind) + (i.param.mode == DecodeMode::kEager ? "_Eager" : "_Replay") +
-         "_Input" + testing::dtype_tag(i.param.input);
+void PrintTo(const KindModeCase& c, std::ostream* os) {
+  *os << kind_tag(c.kind) << "_" << mode_tag(c.mode) << "_Input" << dtype_tag(c.input);
 }
 const auto kKindModes = ::testing::Values(
     KindModeCase{LayerKind::kMamba2, DecodeMode::kEager, DType::kF32},
@@ -331,7 +334,8 @@ TEST_P(StateCachePadRows, AllPadBatchWritesNothing) {
   EXPECT_EQ(testing::diff(before, testing::snapshot(*h.cache)), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(KindModeInput, StateCachePadRows, kKindModes, kind_mode_name);
+INSTANTIATE_TEST_SUITE_P(KindModeInput, StateCachePadRows, kKindModes,
+                         ::testing::PrintToStringParamName());
 
 // ---- rejected calls write nothing ---------------------------------------------------------
 
@@ -556,14 +560,15 @@ TEST_P(StateCacheRejects, LoadExportFoldArgumentsAndPendingWindow) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(KindModeInput, StateCacheRejects, kKindModes, kind_mode_name);
+INSTANTIATE_TEST_SUITE_P(KindModeInput, StateCacheRejects, kKindModes,
+                         ::testing::PrintToStringParamName());
 INSTANTIATE_TEST_SUITE_P(
     KindInput, StateCacheRejectsCommit,
     ::testing::Values(KindModeCase{LayerKind::kMamba2, DecodeMode::kReplay, DType::kF32},
                       KindModeCase{LayerKind::kMamba2, DecodeMode::kReplay, DType::kBF16},
                       KindModeCase{LayerKind::kGdn, DecodeMode::kReplay, DType::kF32},
                       KindModeCase{LayerKind::kGdn, DecodeMode::kReplay, DType::kF16}),
-    kind_mode_name);
+    ::testing::PrintToStringParamName());
 
 TEST(StateCacheConfigRejects, BadConfigsCreateNothing) {
   struct Case {
@@ -670,11 +675,9 @@ struct IoCase {
   CheckpointPrecision precision;  // replay
   DType state;                    // eager
 };
-std::string io_name(const ::testing::TestParamInfo<IoCase>& i) {
-  const IoCase& c = i.param;
-  return kind_tag(c.kind) + (c.mode == DecodeMode::kEager
-                                 ? "_EagerState" + testing::dtype_tag(c.state)
-                                 : "_Replay" + testing::precision_tag(c.precision));
+void PrintTo(const IoCase& c, std::ostream* os) {
+  *os << kind_tag(c.kind) << "_" << mode_tag(c.mode)
+      << (c.mode == DecodeMode::kEager ? "State" + dtype_tag(c.state) : precision_tag(c.precision));
 }
 class StateCacheIo : public ::testing::TestWithParam<IoCase> {};
 
@@ -870,10 +873,10 @@ std::vector<IoCase> fold_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(KindModePrecision, StateCacheIo, ::testing::ValuesIn(io_cases()),
-                         io_name);
+                         ::testing::PrintToStringParamName());
 
 INSTANTIATE_TEST_SUITE_P(KindPrecision, StateCacheFold, ::testing::ValuesIn(fold_cases()),
-                         io_name);
+                         ::testing::PrintToStringParamName());
 
 // Eager caches: fold is a no-op and changes no byte.
 TEST(StateCacheFoldEager, IsANoOp) {

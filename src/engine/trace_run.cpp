@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "backend.h"
+#include "common/device_buffer.h"
 #include "engine/activations.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
@@ -22,38 +23,6 @@
 namespace replayssm {
 
 namespace {
-
-// Memory on a cache's device (host memory for the CPU backend), freed on scope exit.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    std::swap(device_, other.device_);
-    std::swap(ptr_, other.ptr_);
-    std::swap(bytes_, other.bytes_);
-    return *this;
-  }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) memory_free(device_, ptr_);
-  }
-
-  Status allocate(Device device, std::size_t bytes) {
-    device_ = device;
-    bytes_ = bytes;
-    return memory_alloc(device, bytes, &ptr_);
-  }
-  Status upload(const void* host) { return memory_from_host(device_, ptr_, host, bytes_); }
-  Status download(void* host) const { return memory_to_host(device_, host, ptr_, bytes_); }
-  [[nodiscard]] void* get() const { return ptr_; }
-
- private:
-  Device device_ = Device::kCpu;
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 
 // One per-token input of the layer: the trace's [num_steps, batch, elems] values, staged
 // each step as a [batch, T, elems] window and moved to the device.
@@ -122,11 +91,6 @@ const void* device_input(const std::vector<TokenInput>& inputs, const char* name
   return nullptr;
 }
 
-Status upload_floats(Device device, const std::vector<float>& values, DeviceBuffer* buffer) {
-  REPLAYSSM_RETURN_IF_ERROR(buffer->allocate(device, values.size() * sizeof(float)));
-  return buffer->upload(values.data());
-}
-
 Status validate_options(const TraceRunOptions& o) {
   if (o.spec_tokens < 1) return invalid_argument("spec_tokens (T) must be >= 1");
   if (o.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
@@ -189,9 +153,9 @@ class TraceRunner {
       if (T_ > 1) set_draft_range(&in);
     }
     if (trace_.kind == LayerKind::kMamba2) {
-      REPLAYSSM_RETURN_IF_ERROR(upload_floats(device, trace_.mamba2.A, &A_));
-      REPLAYSSM_RETURN_IF_ERROR(upload_floats(device, trace_.mamba2.D, &D_));
-      REPLAYSSM_RETURN_IF_ERROR(upload_floats(device, trace_.mamba2.dt_bias, &dt_bias_));
+      REPLAYSSM_RETURN_IF_ERROR(A_.assign(device, trace_.mamba2.A));
+      REPLAYSSM_RETURN_IF_ERROR(D_.assign(device, trace_.mamba2.D));
+      REPLAYSSM_RETURN_IF_ERROR(dt_bias_.assign(device, trace_.mamba2.dt_bias));
     }
     out_window_.resize(static_cast<std::size_t>(std::int64_t{batch_} * T_ * out_elems_));
     out_packed_.resize(out_window_.size() * dtype_size(options_.input_dtype));

@@ -11,6 +11,7 @@
 
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "testing/require_gpu.h"
 #include "testing/test_util.h"
 
 namespace replayssm::testing {

@@ -1,19 +1,20 @@
 #pragma once
 // The CUDA-vs-CPU cases of the CUDA decode tests (test_mamba2_cuda.cpp, test_gdn_cuda.cpp): one
-// case type for both layer kinds (Shape is Mamba2Shape or GdnShape), its test name, the cache
-// it configures, the output tolerance both families share, and the real-shape cases.
+// case type for both layer kinds (Shape is Mamba2Shape or GdnShape), its test name and printout,
+// the cache it configures, the output tolerance both families share, and the real-shape cases.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <initializer_list>
+#include <ostream>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "replayssm/state_cache.h"
 #include "replayssm/types.h"
-#include "testing/test_util.h"
+#include "testing/names.h"
 
 namespace replayssm::testing {
 
@@ -21,9 +22,16 @@ inline constexpr CheckpointPrecision kAllPrecisions[] = {
     CheckpointPrecision::kFp32, CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
     CheckpointPrecision::kFp32Fp8};
 
+/// A layer shape and the short name test names give it ("small", "super120b").
+template <typename Shape>
+struct NamedShape {
+  const char* name;
+  Shape shape;
+};
+
 template <typename Shape>
 struct SideCase {
-  const char* name;
+  const char* name;  // the shape's
   Shape shape;
   DecodeMode mode;
   DType state = DType::kF32;                                    // eager
@@ -44,18 +52,28 @@ inline std::string shape_tag(const Mamba2Shape& s) {
          int_tag("G", s.ngroups);
 }
 inline std::string shape_tag(const GdnShape& s) {
-  return "Hk" + std::to_string(s.num_k_heads) + "Hv" + std::to_string(s.num_v_heads) + "K" +
-         std::to_string(s.head_k_dim) + "V" + std::to_string(s.head_v_dim);
+  return int_tag("Hk", s.num_k_heads) + int_tag("Hv", s.num_v_heads) + int_tag("K", s.head_k_dim) +
+         int_tag("V", s.head_v_dim);
 }
 
+/// The test name: shape, input dtype, raw q/k (GDN), then the eager state dtype, or the replay
+/// checkpoint precision, L, T and stagger ("small_inBF16_ReplayFp32Bf16_L4_T1_stagger1"). Batch,
+/// layers and steps follow from the shape and mode (PrintTo shows them).
+template <typename Shape>
+std::string side_case_name(const SideCase<Shape>& c) {
+  std::string n = std::string(c.name) + "_in" + dtype_tag(c.input) + (c.qk_l2norm ? "" : "_rawqk");
+  if (c.mode == DecodeMode::kEager) return n + "_Eager" + dtype_tag(c.state);
+  return n + "_Replay" + precision_tag(c.checkpoint) + int_tag("_L", c.buffer_len) +
+         int_tag("_T", c.window) + int_tag("_stagger", c.stagger);
+}
 template <typename Shape>
 std::string side_name(const ::testing::TestParamInfo<SideCase<Shape>>& info) {
-  const SideCase<Shape>& c = info.param;
-  std::string n = std::string(c.name) + "_" + shape_tag(c.shape) + "_in" + dtype_tag(c.input) +
-                  (c.qk_l2norm ? "" : "_rawqk");
-  if (c.mode == DecodeMode::kEager) return n + "_Eager" + dtype_tag(c.state);
-  return n + "_Replay" + precision_tag(c.checkpoint) + "_L" + std::to_string(c.buffer_len) +
-         "_T" + std::to_string(c.window) + "_stagger" + std::to_string(c.stagger);
+  return side_case_name(info.param);
+}
+template <typename Shape>
+void PrintTo(const SideCase<Shape>& c, std::ostream* os) {
+  *os << side_case_name(c) << " (" << shape_tag(c.shape) << ", batch " << c.batch << ", layers "
+      << c.layers << ", steps " << c.steps << (c.load_initial ? ", loaded state)" : ")");
 }
 
 /// The cache of a case: slot 0 and the last slot are guards no row uses.
@@ -97,11 +115,11 @@ double side_output_tolerance(const SideCase<Shape>& c, double fp8) {
 
 /// Eager on `shape`, 12 steps, for every input × state dtype.
 template <typename Shape>
-void add_eager_cases(const char* name, const Shape& shape, std::initializer_list<DType> inputs,
+void add_eager_cases(const NamedShape<Shape>& shape, std::initializer_list<DType> inputs,
                      std::initializer_list<DType> states, std::vector<SideCase<Shape>>* out) {
   for (DType input : inputs) {
     for (DType state : states) {
-      SideCase<Shape> c{name, shape, DecodeMode::kEager};
+      SideCase<Shape> c{shape.name, shape.shape, DecodeMode::kEager};
       c.state = state;
       c.input = input;
       c.steps = 12;
@@ -115,20 +133,20 @@ void add_eager_cases(const char* name, const Shape& shape, std::initializer_list
 /// each of `plain_inputs`, and T = 4 verifies with L = 5 on `spec_shape` for each of
 /// `spec_inputs`.
 template <typename Shape>
-void add_replay_cases(const char* name, const Shape& plain_shape, const Shape& spec_shape,
+void add_replay_cases(const NamedShape<Shape>& plain_shape, const NamedShape<Shape>& spec_shape,
                       std::initializer_list<DType> plain_inputs,
                       std::initializer_list<DType> spec_inputs,
                       std::vector<SideCase<Shape>>* out) {
   for (CheckpointPrecision p : kAllPrecisions) {
     for (DType input : plain_inputs) {
-      SideCase<Shape> plain{name, plain_shape, DecodeMode::kReplay};
+      SideCase<Shape> plain{plain_shape.name, plain_shape.shape, DecodeMode::kReplay};
       plain.checkpoint = p;
       plain.input = input;
       plain.stagger = 1;
       out->push_back(plain);
     }
     for (DType input : spec_inputs) {
-      SideCase<Shape> spec{name, spec_shape, DecodeMode::kReplay};
+      SideCase<Shape> spec{spec_shape.name, spec_shape.shape, DecodeMode::kReplay};
       spec.checkpoint = p;
       spec.input = input;
       spec.buffer_len = 5;
@@ -144,12 +162,12 @@ void add_replay_cases(const char* name, const Shape& plain_shape, const Shape& s
 /// eager in each of `eager_states`, replay in every precision, and a T = 4 verify on
 /// `spec_shape` in fp32+bf16.
 template <typename Shape>
-void add_real_shape_cases(std::initializer_list<Shape> shapes,
-                          std::initializer_list<DType> eager_states, const Shape& spec_shape,
-                          std::vector<SideCase<Shape>>* out) {
-  for (const Shape& s : shapes) {
+void add_real_shape_cases(std::initializer_list<NamedShape<Shape>> shapes,
+                          std::initializer_list<DType> eager_states,
+                          const NamedShape<Shape>& spec_shape, std::vector<SideCase<Shape>>* out) {
+  for (const NamedShape<Shape>& s : shapes) {
     for (DType state : eager_states) {
-      SideCase<Shape> eager{"real", s, DecodeMode::kEager};
+      SideCase<Shape> eager{s.name, s.shape, DecodeMode::kEager};
       eager.state = state;
       eager.input = DType::kBF16;
       eager.layers = 1;
@@ -158,7 +176,7 @@ void add_real_shape_cases(std::initializer_list<Shape> shapes,
       out->push_back(eager);
     }
     for (CheckpointPrecision p : kAllPrecisions) {
-      SideCase<Shape> c{"real", s, DecodeMode::kReplay};
+      SideCase<Shape> c{s.name, s.shape, DecodeMode::kReplay};
       c.checkpoint = p;
       c.input = DType::kBF16;
       c.buffer_len = 16;
@@ -169,7 +187,7 @@ void add_real_shape_cases(std::initializer_list<Shape> shapes,
       out->push_back(c);
     }
   }
-  SideCase<Shape> spec{"real", spec_shape, DecodeMode::kReplay};
+  SideCase<Shape> spec{spec_shape.name, spec_shape.shape, DecodeMode::kReplay};
   spec.checkpoint = CheckpointPrecision::kFp32Bf16;
   spec.input = DType::kBF16;
   spec.buffer_len = 16;

@@ -54,8 +54,8 @@ Status launch_generic(StateCacheLayout& cache, const ReplayWork& work, cudaStrea
 /// Eager decode of one layer (T = 1): the state is updated in place.
 Status launch_eager(StateCacheLayout& cache, const GdnDecodeArgs& args, cudaStream_t stream);
 
-/// Replay decode of one layer or a fold of layers (ReplayWork), then the cursor moves
-/// (advance_folded).
+/// Replay decode of one layer or a fold of layers (ReplayWork), in one launch that also moves
+/// the fold cursors (state_cache/cursors.cuh).
 Status launch_replay(StateCacheLayout& cache, const ReplayWork& work, cudaStream_t stream);
 
 }  // namespace replayssm::cuda::gdn

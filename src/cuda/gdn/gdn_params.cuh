@@ -42,6 +42,14 @@ namespace replayssm::cuda::gdn {
 /// (the previous tile, 6 CTAs/SM, measured in that same run: 201 / 165 / 157)
 constexpr int kThreads = 128;
 constexpr int kReplayMinBlocks = 8;
+/// A key head's rows are split over at least this many replay CTAs, at every batch. With
+/// staggered folds (requests that started at different steps) each step's tail is its
+/// folding CTAs (a fold replays w tokens through every row, ~3 ops per element and token),
+/// and halving their rows halves that tail; each split stages the key head's history again.
+/// qwen35-4b, batch 256, L = 16, µs per step, staggered / aligned, fp32 · bf16 · fp32+bf16 ·
+/// fp32+fp8: 1 split 228 / 190 · 189 / 141 · 187 / 142 · 243 / 173; 2 splits 211 / 205 ·
+/// 183 / 163 · 184 / 164 · 235 / 194 (docs/BENCHMARKS_CUDA_GDN.md, "Serving conditions").
+constexpr int kMinRowSplits = 2;
 /// Bytes of the read copy each thread has in flight per pass (fp32: 1 row, bf16 2, fp8 4).
 constexpr int kReplayRowBytes = 64;
 constexpr int kWarps = kThreads / 32;

@@ -16,8 +16,8 @@
 // Wherever k̂ is used (walks, folds) it is formed in fp32 as to_float(k_j)·scale_j from the
 // ring's raw key and ring_key_scale (state_cache_layout.h), as the CPU backend does: a k̂
 // rounded to the input dtype would put that rounding into every fold of the fp32 master.
-// The cursor move folded = committed is a second launch (cursors.cuh, advance_folded): every
-// CTA of a slot decides from `folded`, so none may move it while others are still reading.
+// The cursor move folded = committed happens inside the launch (state_cache/cursors.cuh: the
+// last CTA of a folding row to arrive moves it): a step is one launch per layer.
 //
 // Exactness: the walks apply each record's transition transposed to the query, so outputs
 // equal the eager recurrence up to rounding order; the only per-step state traffic is one
@@ -34,6 +34,7 @@
 #include "cuda/common/checkpoint.cuh"
 #include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/gdn/gdn_device.cuh"
 #include "cuda/gdn/gdn_launch.h"
 #include "cuda/gdn/gdn_params.cuh"
@@ -284,6 +285,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   using read_t = typename Traits::read_t;
   using master_t = typename Traits::master_t;
   extern __shared__ __align__(16) unsigned char smem[];
+  grid_dependency_wait();
+  allow_dependents();
   const StateCacheLayout& l = p.cache;
   const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key, T = p.num_tokens;
   const int hk = blockIdx.x / p.tiling.splits;
@@ -295,6 +298,7 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   const int group_rows = G * V;
   const int row_begin = split * p.tiling.rows_per_split;
   const int row_end = min(group_rows, row_begin + p.tiling.rows_per_split);
+  // Never taken (row_tiling leaves no split empty), so every CTA of a folding row arrives.
   if (row_begin >= row_end) return;
   const int lane = threadIdx.x % kRowLanes;
   const int rg = threadIdx.x / kRowLanes;
@@ -326,13 +330,14 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   if (T > 0) load_pass(row_begin);
 
   // Cursors, all three loads in flight together.
-  const std::int64_t ls = l.layer_slot(layer, slot);
   const bool allocated = slot_allocated(l, slot);
   const std::uint32_t committed = l.committed[slot];
-  const std::uint32_t first = l.folded[ls];
+  const FoldCursor cursor =
+      fold_cursor(l, fold_cursor_load(l, layer, slot), committed, T);
   if (!allocated) return;  // a free slot: nothing written
-  const std::uint32_t unfolded_count = committed - first;
-  const bool fold = l.fold_due(unfolded_count, T);
+  const std::uint32_t first = cursor.first;
+  const std::uint32_t unfolded_count = cursor.unfolded;
+  const bool fold = cursor.fold;
   if (T == 0 && !fold) return;
   // Clamped so that corrupt cursors cannot index past the staging (cache.cuh).
   const int hist = int(min(unfolded_count, std::uint32_t(l.max_history())));
@@ -437,6 +442,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
       if (T > 0) emit_outputs<input_t, read_t>(p, b, hk, row[u], active, s[u], s_f, lane);
     }
   }
+  // Every thread read `folded` before the staging barrier.
+  if (threadIdx.x == 0) fold_cursor_arrive(l, layer, slot, committed, gridDim.x);
 }
 
 template <typename input_t, CheckpointPrecision P>
@@ -447,15 +454,19 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
   p.tiling = row_tiling(batch, p.cache.dims.key_heads, group_rows,
                         kRowGroups * kOutputRows<read_t>, limits.sms);
-  const dim3 grid(p.cache.dims.key_heads * p.tiling.splits, batch, num_layers);
+  const int blocks_per_row = p.cache.dims.key_heads * p.tiling.splits;
+  if (blocks_per_row > kMaxFoldBlocks) {
+    return unsupported("gdn CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
+                       " blocks per batch row, got " + std::to_string(blocks_per_row));
+  }
+  const dim3 grid(blocks_per_row, batch, num_layers);
   auto kernel = gdn_replay_kernel<input_t, P>;
   if (p.smem.bytes > 48 * 1024) {
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
   }
-  kernel<<<grid, kThreads, p.smem.bytes, stream>>>(p);
-  REPLAYSSM_CUDA_CHECK_LAUNCH("gdn_replay_kernel");
-  return Status::ok();
+  return launch_programmatic(kernel, grid, dim3(kThreads), p.smem.bytes, stream, p,
+                             "gdn_replay_kernel");
 }
 
 }  // namespace
@@ -490,16 +501,12 @@ Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t s
   const std::int64_t vec_run = std::int64_t{G} * V * in_size;
   p.vec_async = vec_run % 16 == 0 && (std::int64_t{l.dims.heads} * V * in_size) % 16 == 0;
 
-  REPLAYSSM_RETURN_IF_ERROR(ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
+  return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     using input_t = dtype_t<in.value>;
     return CheckpointPrecisions::dispatch(c.checkpoint, "checkpoint precision", [&](auto ck) {
       return launch<input_t, ck.value>(p, batch, num_layers, stream);
     });
-  }));
-  for (int layer = p.layer; layer < p.layer + num_layers; ++layer) {
-    REPLAYSSM_RETURN_IF_ERROR(advance_folded(l, layer, p.in.slot_ids, batch, T, stream));
-  }
-  return Status::ok();
+  });
 }
 
 }  // namespace replayssm::cuda::gdn

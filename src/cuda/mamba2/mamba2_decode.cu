@@ -14,7 +14,6 @@
 #include "cuda/common/stream.cuh"
 #include "cuda/families.h"
 #include "cuda/mamba2/mamba2_launch.h"
-#include "cuda/state_cache/cursors.cuh"
 
 namespace replayssm::cuda {
 
@@ -74,7 +73,6 @@ Status fold_layers(StateCacheLayout& cache, int first_layer, int num_layers,
     REPLAYSSM_RETURN_IF_ERROR(uses_generic_kernels(cache.config.mamba2)
                                   ? launch_generic(p, stream)
                                   : launch_replay(p, stream));
-    REPLAYSSM_RETURN_IF_ERROR(advance_folded(cache, layer, slot_ids, batch, 0, stream));
   }
   return Status::ok();
 }
@@ -99,15 +97,10 @@ Status mamba2_decode(StateCacheLayout& cache, const Mamba2DecodeArgs& a, Stream 
   p.D = a.D;
   p.dt_bias = a.dt_bias;
   p.y = a.y;
-  if (mamba2::uses_generic_kernels(cache.config.mamba2)) {
-    REPLAYSSM_RETURN_IF_ERROR(mamba2::launch_generic(p, stream));
-    if (cache.config.mode == DecodeMode::kEager) return Status::ok();
-  } else if (cache.config.mode == DecodeMode::kEager) {
-    return mamba2::launch_eager(p, stream);
-  } else {
-    REPLAYSSM_RETURN_IF_ERROR(mamba2::launch_replay(p, stream));
-  }
-  return advance_folded(cache, a.layer, a.slot_ids, a.batch, a.num_tokens, stream);
+  // One launch per call: a replay launch moves its own fold cursor (cursors.cuh).
+  if (mamba2::uses_generic_kernels(cache.config.mamba2)) return mamba2::launch_generic(p, stream);
+  if (cache.config.mode == DecodeMode::kEager) return mamba2::launch_eager(p, stream);
+  return mamba2::launch_replay(p, stream);
 }
 
 }  // namespace replayssm::cuda

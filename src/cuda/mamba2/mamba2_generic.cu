@@ -8,10 +8,13 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/mamba2/mamba2_launch.h"
+#include "cuda/state_cache/cursors.cuh"
 
 namespace replayssm::cuda::mamba2 {
 
@@ -111,9 +114,12 @@ __global__ void generic_replay_kernel(const __grid_constant__ Params p) {
   const int slot = resolve_slot(l, p.slot_ids, b);
   if (slot < 0) return;
   const int T = p.num_tokens;
-  const std::uint32_t first = l.folded[l.layer_slot(p.layer, slot)];
-  const int unfolded_count = min(int(l.committed[slot] - first), l.max_history());
-  const bool fold = l.fold_due(std::uint32_t(unfolded_count), T);
+  const std::uint32_t committed = l.committed[slot];
+  const FoldCursor cursor = fold_cursor(l, fold_cursor_load(l, p.layer, slot), committed, T);
+  const std::uint32_t first = cursor.first;
+  // Clamped so that corrupt cursors can never index past the ring's live records.
+  const int unfolded_count = int(min(cursor.unfolded, std::uint32_t(l.max_history())));
+  const bool fold = cursor.fold;
   const int g = h / (d.heads / d.key_heads);
   const Records<input_t> history{p, slot, b, h, g, unfolded_count, first};
   const Records<input_t> window{p, slot, b, h, g, fold ? 0 : unfolded_count,
@@ -146,11 +152,15 @@ __global__ void generic_replay_kernel(const __grid_constant__ Params p) {
       static_cast<input_t*>(p.y)[out] = from_float<input_t>(y);
     }
   }
+  if (fold) {
+    __syncthreads();  // every thread of the block has read `folded`
+    if (threadIdx.x == 0) fold_cursor_arrive(l, p.layer, slot, committed, gridDim.x);
+  }
   if (T == 0) return;
   // Append the window's ring records at committed..committed+T-1 (past every record read
   // above): x and Δ, A·Δ of this head; B of the group by its first head's block.
   for (int t = 0; t < T; ++t) {
-    const std::int64_t rec = l.ring_record(p.layer, slot, l.committed[slot] + std::uint32_t(t));
+    const std::int64_t rec = l.ring_record(p.layer, slot, committed + std::uint32_t(t));
     const std::int64_t bt = std::int64_t{b} * T + t;
     for (int row = threadIdx.x; row < d.rows; row += blockDim.x) {
       static_cast<input_t*>(l.ring_vec)[(rec * d.heads + h) * d.rows + row] =
@@ -207,6 +217,10 @@ __global__ void generic_eager_kernel(const __grid_constant__ Params p) {
 
 Status launch_generic(const Params& params, cudaStream_t stream) {
   const StateCacheConfig& c = params.cache.config;
+  if (params.cache.dims.heads > kMaxFoldBlocks) {
+    return unsupported("mamba2 CUDA decode runs up to " + std::to_string(kMaxFoldBlocks) +
+                       " heads, got " + std::to_string(params.cache.dims.heads));
+  }
   const dim3 grid(static_cast<unsigned>(params.cache.dims.heads),
                   static_cast<unsigned>(params.batch));
   return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {

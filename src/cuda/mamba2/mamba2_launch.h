@@ -11,8 +11,8 @@ namespace replayssm::cuda::mamba2 {
 
 /// Eager decode of one layer (T = 1): the state is updated in place.
 Status launch_eager(const Params& params, cudaStream_t stream);
-/// Replay decode of one layer, or (num_tokens 0) an explicit fold of it; the cursor move
-/// (advance_folded) is the caller's.
+/// Replay decode of one layer, or (num_tokens 0) an explicit fold of it, moving the layer's
+/// fold cursor (cursors.cuh).
 Status launch_replay(const Params& params, cudaStream_t stream);
 /// Eager and replay (and explicit folds) for shapes the tuned kernels are not built for
 /// (mamba2_generic.cu): any dstate and head_dim, at a fraction of the bandwidth.

@@ -50,6 +50,8 @@ struct Params {
   const float* dt_bias = nullptr;          ///< [nheads]
   void* y = nullptr;                       ///< [batch, T, nheads, head_dim]
   int heads_per_cta = 1;                   ///< replay: heads of one group per block
+  /// Replay: queue the read copy's first tiles before the cursors arrive (kEarlyTilesBatch).
+  bool early_tiles = false;
 };
 
 /// Eager: threads per block for a head of `head_dim` rows (a whole number of warps).
@@ -72,6 +74,12 @@ inline constexpr int kTileBytes = 16 * 1024;
 inline constexpr int kStages = 2;
 inline constexpr int kPipeBytes = kStages * kTileBytes;
 inline constexpr int kMaxHeadsPerCta = 8;
+/// Up to this batch a replay block queues its first state tiles before its cursors and ring
+/// staging: a small batch is one memory round trip after another, and the tiles then arrive
+/// with the cursors. Measured (super120b, fp32, µs per step): batch 1 10.1 → 9.6, 4 20.9 →
+/// 19.9, 16 42.4 → 42.1; at batch 64 the early tiles delay the staging the prologue waits for,
+/// 131.1 → 133.5 (and +1-3% at 256; docs/BENCHMARKS_CUDA_MAMBA2.md, sections 5 and 6).
+inline constexpr int kEarlyTilesBatch = 16;
 
 /// Shared-memory carve-up of a replay block, in bytes (16-byte aligned pieces).
 struct ReplaySmem {

@@ -15,7 +15,8 @@
 //      master copy, written back to every copy (checkpoint.cuh), after which the window reads
 //      the fresh read copy and no history; then (S·C_t)[p] for every window token;
 //   4. y_t = τ_t·(S·C_t) + Σ_{j ≤ last} coef_tj·x_j + D·x_t, gated by silu(z_t).
-// The state is read once (the floor of a replay step) and written only by a due fold.
+// The state is read once (the floor of a replay step) and written only by a due fold. The fold
+// cursor moves inside the launch (state_cache/cursors.cuh): a step is one launch per layer.
 // Arithmetic follows src/cpu/mamba2_decode.cpp term by term, so the backends differ only by
 // rounding order (FMA contraction, the order of the 128-term dot products).
 
@@ -32,8 +33,10 @@
 #include "cuda/common/checkpoint.cuh"
 #include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/common/vec.cuh"
 #include "cuda/mamba2/mamba2_launch.h"
+#include "cuda/state_cache/cursors.cuh"
 
 namespace replayssm::cuda::mamba2 {
 
@@ -328,15 +331,24 @@ __device__ void write_outputs(const Params& p, const Block& k) {
   }
 }
 
-// Steps 2–4 with the state streamed from `src` (master when folding, else read copy).
+// Steps 2–4 with the state streamed from `src` (master when folding, else read copy). With
+// `early`, the read copy's first kStages tiles were queued before the staging (small batches).
 template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
 __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ckpt,
-                    const stream_t* src, std::uint32_t committed) {
+                    const stream_t* src, std::uint32_t committed, bool early) {
   constexpr int kS = kStages;
   constexpr int kRows = kTileRows<stream_t>;
+  if (early) {
+    cp_async_wait<0>();  // the staging, queued after the early tiles
+    if constexpr (kFold && !CheckpointTypes<P>::kReadIsMaster) {
 #pragma unroll 1
-  for (int s = 0; s < kS; ++s) issue_tile(k, src, s);
-  cp_async_wait<kS>();  // the staging group, committed before the tiles
+      for (int s = 0; s < kS; ++s) issue_tile(k, src, s);  // those were the read copy's
+    }
+  } else {
+#pragma unroll 1
+    for (int s = 0; s < kS; ++s) issue_tile(k, src, s);
+    cp_async_wait<kS>();  // the staging group, committed before the tiles
+  }
   __syncthreads();
   prepare<input_t>(p, k, committed);
 
@@ -374,6 +386,8 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
     replay_kernel(const __grid_constant__ Params params) {
   using Traits = CheckpointTypes<P>;
   extern __shared__ __align__(16) unsigned char smem[];
+  grid_dependency_wait();
+  allow_dependents();
   const StateCacheLayout& l = params.cache;
   Block k;
   k.hpc = params.heads_per_cta;
@@ -388,26 +402,38 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   k.smem = smem;
   k.at = ReplaySmem{k.R, k.Tm, k.P, k.hpc, int(sizeof(input_t))};
 
-  k.slot = resolve_slot(l, params.slot_ids, k.b);
-  if (k.slot < 0) return;
+  k.slot = slot_in_range(l, params.slot_ids, k.b);
+  if (k.slot < 0) return;  // a pad row or a bad id: nothing read or written
+  // The allocation flag and both cursors in flight together (and, at small batch, the first
+  // tiles of the read copy: reading a free slot's rows is harmless, they are never used).
+  const bool allocated = slot_allocated(l, k.slot);
   const std::uint32_t committed = l.committed[k.slot];
-  const std::uint32_t folded = l.folded[l.layer_slot(params.layer, k.slot)];
-  const std::uint32_t unfolded_count = committed - folded;
-  k.fold = l.fold_due(unfolded_count, k.T);
-  if (k.T == 0 && !k.fold) return;
+  const std::uint32_t folded = fold_cursor_load(l, params.layer, k.slot);
+  const CheckpointHead<P> ckpt(l, params.layer, k.slot, k.h0);
+  const bool early = params.early_tiles && k.T > 0;
+  if (early) {
+#pragma unroll 1
+    for (int s = 0; s < kStages; ++s) issue_tile(k, ckpt.read_row(0), s);
+  }
+  const FoldCursor cursor = fold_cursor(l, folded, committed, k.T);
+  k.fold = cursor.fold;
+  if (!allocated || (k.T == 0 && !k.fold)) {
+    cp_async_wait<0>();
+    return;
+  }
   // Clamped so that corrupt cursors can never index past the staging.
-  k.w = static_cast<int>(std::min<std::uint32_t>(unfolded_count, l.max_history()));
+  k.w = static_cast<int>(std::min<std::uint32_t>(cursor.unfolded, l.max_history()));
   k.out0 = k.fold ? k.w : 0;
   k.nout = (k.fold ? 0 : k.w) + k.T;
 
-  issue_staging<input_t, P>(params, k, folded);
-  const CheckpointHead<P> ckpt(l, params.layer, k.slot, k.h0);
+  issue_staging<input_t, P>(params, k, cursor.first);
   if (k.fold) {
     run<input_t, P, typename Traits::master_t, true>(params, k, ckpt, ckpt.master_row(0),
-                                                     committed);
+                                                     committed, early);
+    if (threadIdx.x == 0) fold_cursor_arrive(l, params.layer, k.slot, committed, gridDim.x);
   } else {
     run<input_t, P, typename Traits::read_t, false>(params, k, ckpt, ckpt.read_row(0),
-                                                    committed);
+                                                    committed, early);
   }
 }
 
@@ -436,6 +462,11 @@ Status launch(Params params, cudaStream_t stream) {
   }
   const int smem = replay_smem(l.config, hpc).bytes();
   params.heads_per_cta = hpc;
+  params.early_tiles = params.batch <= kEarlyTilesBatch;
+  if (l.dims.heads / hpc > kMaxFoldBlocks) {
+    return unsupported("mamba2 CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
+                       " blocks per batch row, got " + std::to_string(l.dims.heads / hpc));
+  }
   auto* kernel = replay_kernel<input_t, P>;
   if (smem > 48 * 1024) {
     REPLAYSSM_CUDA_RETURN_IF_ERROR(
@@ -445,9 +476,8 @@ Status launch(Params params, cudaStream_t stream) {
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   const dim3 grid(static_cast<unsigned>(l.dims.heads / hpc), static_cast<unsigned>(params.batch));
-  kernel<<<grid, kReplayThreads, smem, stream>>>(params);
-  REPLAYSSM_CUDA_CHECK_LAUNCH("mamba2 replay kernel");
-  return Status::ok();
+  return launch_programmatic(kernel, grid, dim3(kReplayThreads), smem, stream, params,
+                             "mamba2 replay kernel");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The CUDA backend's state-cache operations (src/backend.h) for both layer kinds:
 //   can_implement            which layer family's kernels judge a configuration;
-//   commit, advance_folded   cursor moves on the device (graph-capturable, no host copy);
+//   commit                   the committed-cursor move on the device (graph-capturable, no
+//                            host copy; `folded` moves inside each replay launch, cursors.cuh);
 //   fold                     the layer family's fold;
 //   load_state, export_state the prefill hand-off and materialisation: whole-state copies
 //                            with dtype conversion on the host, through the row helpers of
@@ -20,9 +21,9 @@
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/dispatch.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/common/stream.cuh"
 #include "cuda/families.h"
-#include "cuda/state_cache/cursors.cuh"
 #include "validate.h"
 
 namespace replayssm::cuda {
@@ -43,40 +44,28 @@ struct CommitParams {
 // committed += k, pending = 0 in every layer. k is clamped to [0, the fewest tokens any layer
 // decoded]: the CPU backend rejects anything else up front, but device-resident counts cannot
 // be checked without a host round trip, and a bad count must not move a cursor past the ring
-// or over a record some layer never wrote.
+// or over a record some layer never wrote. A programmatic launch (launch.cuh): at small batch
+// a step is a few short kernels, and this one's launch overlaps the last decode's tail.
 __global__ void commit_kernel(const __grid_constant__ CommitParams p) {
+  grid_dependency_wait();
+  allow_dependents();
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= p.batch) return;
   const StateCacheLayout& l = p.cache;
   const int slot = resolve_slot(l, p.slot_ids, b);
   if (slot < 0) return;
+  // Every layer's pending count is read before any is cleared, so the loads are in flight
+  // together instead of one memory round trip per layer.
   int pending = 255;
+#pragma unroll 4
   for (int layer = 0; layer < l.config.num_layers; ++layer) {
-    const std::int64_t ls = l.layer_slot(layer, slot);
-    pending = min(pending, int(l.pending[ls]));
-    l.pending[ls] = 0;
+    pending = min(pending, int(l.pending[l.layer_slot(layer, slot)]));
+  }
+  for (int layer = 0; layer < l.config.num_layers; ++layer) {
+    l.pending[l.layer_slot(layer, slot)] = 0;
   }
   const int k = std::min(std::max(p.accepted[b], 0), pending);
   l.committed[slot] += static_cast<std::uint32_t>(k);
-}
-
-struct AdvanceParams {
-  StateCacheLayout cache;
-  int layer;
-  int batch;
-  int num_tokens;
-  const std::int32_t* slot_ids;
-};
-
-__global__ void advance_folded_kernel(const __grid_constant__ AdvanceParams p) {
-  const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= p.batch) return;
-  const StateCacheLayout& l = p.cache;
-  const int slot = resolve_slot(l, p.slot_ids, b);
-  if (slot < 0) return;
-  if (l.fold_due(l.unfolded(p.layer, slot), p.num_tokens)) {
-    l.folded[l.layer_slot(p.layer, slot)] = l.committed[slot];
-  }
 }
 
 // Host <-> device copies on the caller's stream, so that they order against the kernels; the
@@ -156,21 +145,11 @@ Status can_implement(const StateCacheConfig& config) {
   return invalid_argument("unknown layer kind");
 }
 
-Status advance_folded(const StateCacheLayout& cache, int layer, const std::int32_t* slot_ids,
-                      int batch, int num_tokens, cudaStream_t stream) {
-  if (batch == 0) return Status::ok();
-  const AdvanceParams p{cache, layer, batch, num_tokens, slot_ids};
-  advance_folded_kernel<<<cursor_blocks(batch), kCursorThreads, 0, stream>>>(p);
-  REPLAYSSM_CUDA_CHECK_LAUNCH("advance_folded kernel");
-  return Status::ok();
-}
-
 Status commit(StateCacheLayout& cache, const CommitArgs& args, Stream stream) {
   if (args.batch == 0) return Status::ok();
   const CommitParams p{cache, args.batch, args.slot_ids, args.accepted};
-  commit_kernel<<<cursor_blocks(args.batch), kCursorThreads, 0, to_cuda(stream)>>>(p);
-  REPLAYSSM_CUDA_CHECK_LAUNCH("commit kernel");
-  return Status::ok();
+  return launch_programmatic(commit_kernel, dim3(cursor_blocks(args.batch)), dim3(kCursorThreads),
+                             0, to_cuda(stream), p, "commit kernel");
 }
 
 Status fold(StateCacheLayout& cache, const FoldArgs& args, Stream stream) {
