@@ -5,3 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)" "$@"
+# The Python package: `pip install .` into a fresh virtual environment, then its pytest suite.
+scripts/test_python.sh

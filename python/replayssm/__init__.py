@@ -245,7 +245,7 @@ class StateCache:
         prefill hand-off): the eager state, or the checkpoint copies with an emptied ring. A
         CUDA cache also takes host memory. The state must be finite; no uncommitted window may
         be pending in that layer."""
-        self._native.load_state(layer, slot, state, self._stream(stream))
+        self._native.load_state(layer, slot, state, self._array_stream(stream, state))
 
     def export_state(self, layer: int, slot: int, out: Any = None, *, stream: Any = None) -> Any:
         """One layer's current state of a slot as float32 ``config.state_shape`` (a replay
@@ -253,7 +253,7 @@ class StateCache:
         CUDA cache, device memory) or a new NumPy array; returns it."""
         if out is None:
             out = self._new_state()
-        self._native.export_state(layer, slot, out, self._stream(stream))
+        self._native.export_state(layer, slot, out, self._array_stream(stream, out))
         return out
 
     def commit(self, slot_ids: Any, accepted: Any, *, stream: Any = None) -> None:
@@ -261,15 +261,20 @@ class StateCache:
         every layer at once (int32 arrays [batch] in the cache's memory; slot id -1 is a pad
         row). A CPU cache refuses counts beyond the window and a window some layer did not
         decode; a CUDA cache clamps the count on the device (no host round trip)."""
-        self._native.commit(slot_ids, accepted, self._stream(stream), None)
+        self._native.commit(slot_ids, accepted, self._array_stream(stream, slot_ids), None)
 
     def fold(self, slot_ids: Any, *, stream: Any = None) -> None:
         """Folds the committed history of every layer of these slots into their checkpoints
         now (decodes also fold by themselves once ``buffer_len`` tokens are due)."""
-        self._native.fold(slot_ids, self._stream(stream), None)
+        self._native.fold(slot_ids, self._array_stream(stream, slot_ids), None)
 
-    # Hooks for replayssm.torch.
+    # Hooks for replayssm.torch: the stream of a call without arrays, and of one with `array`
+    # (the compiled module takes the arrays' framework's current stream by itself where the
+    # framework tells it).
     def _stream(self, stream: Any) -> Any:
+        return stream
+
+    def _array_stream(self, stream: Any, array: Any) -> Any:
         return stream
 
     def _empty_like(self, x: Any) -> Any:
@@ -282,11 +287,11 @@ class StateCache:
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
         _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
-                         stream, None)
+                         self._array_stream(stream, x), None)
 
     def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream):
         _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
-                      stream, None)
+                      self._array_stream(stream, q), None)
 
 
 def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any, dt: Any, B: Any, C: Any,

@@ -26,6 +26,8 @@ struct DLPackExchangeAPI {
   int (*current_work_stream)(std::int32_t device_type, std::int32_t device_id, void** out);
 };
 
+bool g_use_exchange_api = true;
+
 namespace {
 
 // The table a type publishes, or nullptr. PyTorch names the attribute
@@ -175,7 +177,8 @@ std::string Array::dtype_text() const {
 }
 
 Array ArrayReader::read(nb::handle obj, const char* op, const char* name, Access access) {
-  if (const DLPackExchangeAPI* api = exchange_api(Py_TYPE(obj.ptr()))) {
+  const DLPackExchangeAPI* api = g_use_exchange_api ? exchange_api(Py_TYPE(obj.ptr())) : nullptr;
+  if (api != nullptr) {
     nb::dlpack::dltensor t;
     if (api->dltensor_from_py_object_no_sync(obj.ptr(), &t) != 0) throw nb::python_error();
     api_ = api;

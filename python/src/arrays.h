@@ -50,6 +50,10 @@ struct Array {
 
 enum class Access : std::uint8_t { kRead, kWrite };
 
+/// Whether ArrayReader takes the exchange API where a type has one (the overhead benchmark
+/// turns it off to measure the `__dlpack__` path).
+extern bool g_use_exchange_api;
+
 struct DLPackExchangeAPI;
 
 /// Reads the array arguments of one call and keeps what they borrow alive until it goes.

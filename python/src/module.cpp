@@ -14,6 +14,9 @@ NB_MODULE(_C, m) {
   py::bind_ops(m);
   m.def("cuda_available", &replayssm::cuda_available,
         "Whether this build has the CUDA backend and a usable GPU is present.");
+  m.def("_set_dlpack_exchange", [](bool on) { py::g_use_exchange_api = on; },
+        "Read arrays through the DLPack C exchange API where their type has one (default), or "
+        "always through __dlpack__ (for measurements).");
 #ifdef REPLAYSSM_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

@@ -142,8 +142,12 @@ class Driver:
     random number of the window's tokens, the oracle advancing by the same tokens."""
 
     def __init__(self, cache, rng, batch=3, gate=True, load_states=True, qk_l2norm=True,
-                 scale=None):
+                 scale=None, to_array=None, to_numpy=None):
         self.cache, self.cfg, self.rng = cache, cache.config, rng
+        # The arrays the cache takes (default: the NumPy arrays themselves) and back.
+        self.to_array = to_array or (lambda a: a)
+        self.to_numpy = to_numpy or np.asarray
+        self.outputs = []  # the last step's outputs, per layer, as float32 NumPy arrays
         self.gate, self.qk_l2norm, self.scale = gate, qk_l2norm, scale
         self.slots = [cache.allocate() for _ in range(batch)]
         self.params = layer_params(self.cfg, rng) if self.cfg.kind == "mamba2" else None
@@ -153,7 +157,7 @@ class Driver:
             for layer in range(self.cfg.num_layers):
                 for i, slot in enumerate(self.slots):
                     s = (0.5 * rng.standard_normal(shape)).astype(np.float32)
-                    cache.load_state(layer, slot, s)
+                    cache.load_state(layer, slot, self.to_array(s))
                     self.states[layer][i] = s.astype(np.float64)
         self.max_error = 0.0  # max |y - y_ref| / max |y_ref| so far, over every output
 
@@ -163,28 +167,31 @@ class Driver:
         ids.insert(1, -1)
         return np.array(ids, np.int32)
 
-    def step(self, T=1, accept=None, out_dtype=None):
+    def step(self, T=1, accept=None):
         cfg, ids = self.cfg, self.rows()
-        batch = len(ids)
+        batch, arr = len(ids), self.to_array
         outputs = []
         for layer in range(cfg.num_layers):
             if cfg.kind == "mamba2":
                 given, seen = mamba2_inputs(cfg, self.rng, batch, T, self.gate)
                 p = self.params[layer]
-                out = empty_output((batch, T, cfg.num_heads, cfg.head_dim), cfg.input_dtype)
-                y = replayssm.mamba2_decode(self.cache, layer, ids, given["x"], given["dt"],
-                                            given["B"], given["C"], p.A, p.D, p.dt_bias,
-                                            z=given["z"], out=out)
+                out = arr(empty_output((batch, T, cfg.num_heads, cfg.head_dim), cfg.input_dtype))
+                y = replayssm.mamba2_decode(
+                    self.cache, layer, arr(ids), arr(given["x"]), arr(given["dt"]),
+                    arr(given["B"]), arr(given["C"]), arr(p.A), arr(p.D), arr(p.dt_bias),
+                    z=None if given["z"] is None else arr(given["z"]), out=out)
             else:
                 given, seen = gdn_inputs(cfg, self.rng, batch, T)
-                out = empty_output((batch, T, cfg.num_v_heads, cfg.head_v_dim), cfg.input_dtype)
-                y = replayssm.gdn_decode(self.cache, layer, ids, given["q"], given["k"],
-                                         given["v"], given["g"], given["beta"], scale=self.scale,
-                                         qk_l2norm=self.qk_l2norm, out=out)
+                out = arr(empty_output((batch, T, cfg.num_v_heads, cfg.head_v_dim), cfg.input_dtype))
+                y = replayssm.gdn_decode(
+                    self.cache, layer, arr(ids), arr(given["q"]), arr(given["k"]),
+                    arr(given["v"]), arr(given["g"]), arr(given["beta"]), scale=self.scale,
+                    qk_l2norm=self.qk_l2norm, out=out)
             assert y is out
-            got = from_output(y, cfg.input_dtype)
+            got = from_output(self.to_numpy(y), cfg.input_dtype)
             assert np.isnan(got[1]).all(), "the pad row's output was written"
             outputs.append((got, seen))
+        self.outputs = [got for got, _ in outputs]
         # The oracle: every window position from the committed state.
         k = np.array([T if accept is None else accept(T) for _ in self.slots], np.int32)
         for layer, (got, seen) in enumerate(outputs):
@@ -195,8 +202,7 @@ class Driver:
                     self._record(got[row, t], ref)
                     if t + 1 == k[i]:
                         self.states[layer][i] = S
-        commit_ids = np.array(self.slots, np.int32)
-        self.cache.commit(commit_ids, k)
+        self.cache.commit(arr(np.array(self.slots, np.int32)), arr(k))
         return k
 
     def _oracle(self, layer, S, seen, b, t):
@@ -218,7 +224,7 @@ class Driver:
         for layer in range(self.cfg.num_layers):
             for i, slot in enumerate(self.slots):
                 ref = self.states[layer][i]
-                got = self.cache.export_state(layer, slot)
+                got = self.to_numpy(self.cache.export_state(layer, slot))
                 worst = max(worst, float(np.abs(got - ref).max() / np.abs(ref).max()))
         return worst
 
