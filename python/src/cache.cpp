@@ -7,7 +7,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <cstring>
+#include <array>
 
 namespace replayssm::python {
 
@@ -229,33 +229,35 @@ PyConfig make_config(const std::string& kind, std::int64_t d0, std::int64_t d1, 
 
 void cache_init(PyCache* self, const PyConfig& config, nb::handle buffers, bool adopt,
                 nb::handle stream) {
-  new (self) PyCache();
+  // Built aside and moved in at the end: nanobind runs no destructor for an __init__ that
+  // raised.
+  PyCache made;
+  made.specs = config.specs;
   const StateCacheConfig& c = config.config;
   if (buffers.is_none()) {
     if (adopt) throw nb::value_error("adopt=True needs buffers to adopt");
-    check(state_cache_create(c, &self->cache, plain_stream(stream)));
-    self->specs = config.specs;
-    self->views = nb::none();
-    return;
+    check(state_cache_create(c, &made.cache, plain_stream(stream)));
+    made.views = nb::none();
+  } else {
+    if (!nb::isinstance<nb::dict>(buffers)) {
+      throw nb::type_error("buffers must be a dict: buffer name -> array");
+    }
+    ArrayReader reader;
+    std::vector<CacheBufferBinding> bindings;
+    for (auto [key, value] : nb::borrow<nb::dict>(buffers)) {
+      const CacheBufferId id = buffer_id(nb::cast<std::string>(key), config.specs);
+      bindings.push_back(bind_buffer(reader, id, value, c.device, &made.device_id));
+    }
+    // Zeroing (or adopting) runs on the given stream, else on the current stream of the
+    // buffers' framework.
+    void* s = stream.is_none() && c.device == Device::kCuda
+                  ? reader.framework_stream(std::max(made.device_id, 0))
+                  : plain_stream(stream);
+    check(state_cache_create_view(c, bindings, adopt ? ViewInit::kAdopt : ViewInit::kZero,
+                                  &made.cache, s));
+    made.views = nb::borrow(buffers);
   }
-  if (!nb::isinstance<nb::dict>(buffers)) {
-    throw nb::type_error("buffers must be a dict: buffer name -> array");
-  }
-  ArrayReader reader;
-  std::vector<CacheBufferBinding> bindings;
-  for (auto [key, value] : nb::borrow<nb::dict>(buffers)) {
-    const CacheBufferId id = buffer_id(nb::cast<std::string>(key), config.specs);
-    bindings.push_back(bind_buffer(reader, id, value, c.device, &self->device_id));
-  }
-  // Zeroing (or adopting) runs on the given stream, else on the current stream of the
-  // buffers' framework.
-  void* s = stream.is_none() && c.device == Device::kCuda
-                ? reader.framework_stream(std::max(self->device_id, 0))
-                : plain_stream(stream);
-  check(state_cache_create_view(c, bindings, adopt ? ViewInit::kAdopt : ViewInit::kZero,
-                                &self->cache, s));
-  self->specs = config.specs;
-  self->views = nb::borrow(buffers);
+  new (self) PyCache(std::move(made));
 }
 
 void* op_stream(const PyCache& self, nb::handle stream, const ArrayReader& reader,
@@ -274,23 +276,21 @@ StateCache& op_target(PyCache& self, nb::handle buffers, ArrayReader& reader, co
                            std::to_string(n) + " buffers, got " + std::to_string(nb::len(buffers)))
                               .c_str());
   }
-  std::vector<CacheBufferBinding> bindings;
-  bindings.reserve(n);
+  std::array<Array, kNumCacheBuffers> arrays;
   bool own = true;
   for (std::size_t i = 0; i < n; ++i) {
-    const CacheBufferSpec& spec = self.specs[i];
-    const Array a = reader.read(buffers[i], op, spec.name, Access::kWrite);
-    own = own && a.data == self.cache->buffer(spec.id);
-    bindings.push_back({spec.id, a.data, a.nbytes()});
+    arrays[i] = reader.read(buffers[i], op, self.specs[i].name, Access::kWrite);
+    own = own && arrays[i].data == self.cache->buffer(self.specs[i].id);
   }
   if (own) return *self.cache;
   // The op was handed other buffers (e.g. copies made by a graph transform): its declared
   // effect is on those, so it runs on a view that adopts their contents. Slow (a host read of
   // the slots' flags), correct, and counted so that tests can tell it never happens where it
   // must not.
+  std::vector<CacheBufferBinding> bindings;
   for (std::size_t i = 0; i < n; ++i) {
-    const Array a = reader.read(buffers[i], op, self.specs[i].name, Access::kWrite);
-    expect_buffer(self.specs[i].name, a, self.config().device);
+    expect_buffer(self.specs[i].name, arrays[i], self.config().device);
+    bindings.push_back({self.specs[i].id, arrays[i].data, arrays[i].nbytes()});
   }
   check(state_cache_create_view(self.config(), bindings, ViewInit::kAdopt, holder, stream));
   ++self.calls_on_other_buffers;
