@@ -7,6 +7,7 @@
 
 #include "bench.h"
 #include "bytes_model.h"
+#include "replayssm/version.h"
 
 namespace replayssm {
 

@@ -21,6 +21,7 @@
 #include "io/safetensors.h"
 #include "io/trace.h"
 #include "replayssm/ops.h"
+#include "replayssm/version.h"
 #include "testing/test_util.h"
 
 namespace replayssm {

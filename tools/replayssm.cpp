@@ -22,6 +22,7 @@
 #include "io/trace.h"
 #include "progress.h"
 #include "replayssm/ops.h"
+#include "replayssm/version.h"
 
 namespace replayssm::tools {
 
@@ -319,6 +320,7 @@ int main(int argc, char** argv) {
   CLI::App app("replayssm " REPLAYSSM_VERSION
                ": decode hybrid SSM layers (Mamba-2, Gated DeltaNet) by replay");
   app.require_subcommand(1);
+  app.set_version_flag("--version", replayssm::version());
   RunArgs run_args;
   BenchArgs bench_args;
   DemoArgs demo_args;

@@ -10,16 +10,17 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__) && defined(__AVX2__) && !defined(__CUDACC__)
-#include <immintrin.h>
-#endif
-
 #include "common/checkpoint_rows.h"
 #include "common/numeric.h"
+#include "cpu/isa.h"
 #include "replayssm/types.h"
 #include "state_cache_layout.h"
 
-namespace replayssm::cpu {
+#if REPLAYSSM_CPU_AVX2
+#include <immintrin.h>
+#endif
+
+REPLAYSSM_CPU_BEGIN
 
 template <typename T>
 struct TypeTag {
@@ -47,7 +48,7 @@ void dispatch_activation(DType dtype, F&& f) {
 /// fp8 mat-vec compute-bound (as slow as the fp32 one).
 inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
   int i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(__CUDACC__)
+#if REPLAYSSM_CPU_AVX512
   // GCC 12's own _mm512_cvtph_ps trips its -Wmaybe-uninitialized (GCC bug 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -68,7 +69,7 @@ inline void widen_fp8_row(const fp8e4m3_t* codes, int n, float* out) {
   }
 #pragma GCC diagnostic pop
 #endif
-#if defined(__F16C__) && defined(__AVX2__) && !defined(__CUDACC__)
+#if REPLAYSSM_CPU_AVX2
   const __m128i sign_mask = _mm_set1_epi16(0x80), magnitude_mask = _mm_set1_epi16(0x7f);
   const __m256 bias = _mm256_set1_ps(256.0f);
   for (; i + 8 <= n; i += 8) {
@@ -452,4 +453,4 @@ void fold_heads(const StateCacheLayout& l, int layer, int slot, int head_begin, 
 void fold_head(const StateCacheLayout& l, int layer, int slot, int head, std::uint32_t first,
                std::uint32_t count);
 
-}  // namespace replayssm::cpu
+REPLAYSSM_CPU_END

@@ -10,7 +10,7 @@
 #include "backend.h"
 #include "cpu_common.h"
 
-namespace replayssm::cpu {
+REPLAYSSM_CPU_BEGIN
 
 namespace {
 
@@ -377,4 +377,4 @@ void fold_committed(StateCacheLayout& l, int layer, int slot) {
   l.folded[l.layer_slot(layer, slot)] = l.committed[slot];
 }
 
-}  // namespace replayssm::cpu
+REPLAYSSM_CPU_END

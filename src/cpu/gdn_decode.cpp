@@ -10,7 +10,7 @@
 #include "backend.h"
 #include "cpu_common.h"
 
-namespace replayssm::cpu {
+REPLAYSSM_CPU_BEGIN
 
 namespace {
 
@@ -227,4 +227,4 @@ void gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
       });
 }
 
-}  // namespace replayssm::cpu
+REPLAYSSM_CPU_END

@@ -8,7 +8,7 @@
 #include "backend.h"
 #include "cpu_common.h"
 
-namespace replayssm::cpu {
+REPLAYSSM_CPU_BEGIN
 
 namespace {
 
@@ -204,4 +204,4 @@ void mamba2_decode(StateCacheLayout& l, const Mamba2DecodeArgs& args) {
       });
 }
 
-}  // namespace replayssm::cpu
+REPLAYSSM_CPU_END

@@ -17,6 +17,7 @@
 #include "engine/activations.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "replayssm/version.h"
 
 namespace replayssm {
 

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "cuda/common/check.cuh"
 
 namespace replayssm::cuda {
@@ -22,6 +24,13 @@ Status device_limits(DeviceLimits* out) {
   }
   *out = cached;
   return Status::ok();
+}
+
+Status check_grid_rows(int batch, const char* what) {
+  constexpr int kMaxGridY = 65535;
+  if (batch <= kMaxGridY) return Status::ok();
+  return unsupported(std::string(what) + " takes at most " + std::to_string(kMaxGridY) +
+                     " rows per call, got " + std::to_string(batch));
 }
 
 }  // namespace replayssm::cuda

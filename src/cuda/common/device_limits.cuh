@@ -14,4 +14,7 @@ struct DeviceLimits {
 /// decodes ask on every launch, also inside graph capture, where the queries are allowed).
 Status device_limits(DeviceLimits* out);
 
+/// Both families' grids hold the batch in their y dimension: at most 65535 rows per launch.
+Status check_grid_rows(int batch, const char* what);
+
 }  // namespace replayssm::cuda

@@ -56,6 +56,13 @@ struct Supported {
   using value_type = std::common_type_t<decltype(Vs)...>;
 
   static constexpr bool contains(value_type v) { return ((v == Vs) || ...); }
+  /// The largest listed value.
+  static constexpr value_type max() {
+    const value_type values[] = {Vs...};
+    value_type m = values[0];
+    for (value_type v : values) m = v > m ? v : m;
+    return m;
+  }
 
   /// "f32, bf16"
   static std::string names() {

@@ -23,26 +23,31 @@ namespace gdn {
 
 namespace {
 
-// The grid's y dimension holds the batch.
-Status check_launch_shape(int batch) {
-  if (batch > 65535) {
-    return unsupported("gdn CUDA decode takes at most 65535 rows per call, got " +
-                       std::to_string(batch));
-  }
-  return Status::ok();
-}
+Status check_launch_shape(int batch) { return check_grid_rows(batch, "gdn CUDA decode"); }
 
 }  // namespace
+
+Status uses_generic_kernels(const StateCacheConfig& c, bool* generic) {
+  const StateDims d = c.dims();
+  *generic = !HeadKDims::contains(d.cols) || d.rows > kMaxHeadVDim;
+  if (*generic || c.mode == DecodeMode::kEager) return Status::ok();
+  *generic = c.max_spec_tokens > WindowWidths::max();
+  if (*generic) return Status::ok();
+  DeviceLimits limits;
+  REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
+  // The widest window needs the most staging.
+  *generic = replay_smem(c, c.max_spec_tokens).bytes > limits.smem_per_block;
+  return Status::ok();
+}
 
 Status can_implement(const StateCacheConfig& c) {
   const StateDims d = c.dims();
   if (!ActivationDTypes::contains(c.input_dtype)) {
     return ActivationDTypes::error(c.input_dtype, "gdn input dtype");
   }
-  if (!HeadKDims::contains(d.cols)) return HeadKDims::error(d.cols, "gdn head_k_dim");
-  if (d.rows > kMaxHeadVDim) {
-    return unsupported("unsupported gdn head_v_dim " + std::to_string(d.rows) +
-                       "; supported: 1 to " + std::to_string(kMaxHeadVDim));
+  if (d.cols > kGenericMaxK) {
+    return unsupported("unsupported gdn head_k_dim " + std::to_string(d.cols) +
+                       "; supported: 1 to " + std::to_string(kGenericMaxK));
   }
   switch (c.mode) {
     case DecodeMode::kEager:
@@ -55,22 +60,17 @@ Status can_implement(const StateCacheConfig& c) {
   if (!CheckpointPrecisions::contains(c.checkpoint)) {
     return CheckpointPrecisions::error(c.checkpoint, "gdn checkpoint precision");
   }
-  // Every window up to max_spec_tokens must be one the kernels are built for.
-  for (int t = 1; t <= c.max_spec_tokens; ++t) {
-    if (!WindowWidths::contains(t)) {
-      return unsupported("gdn CUDA replay verifies windows of " + WindowWidths::names() +
-                         " tokens; the cache's max_spec_tokens is " +
-                         std::to_string(c.max_spec_tokens));
-    }
-  }
+  bool generic = false;
+  REPLAYSSM_RETURN_IF_ERROR(uses_generic_kernels(c, &generic));
+  if (!generic) return Status::ok();
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
-  const int bytes = replay_smem(c, c.max_spec_tokens).bytes;  // the widest window needs most
+  const int bytes = generic_smem_bytes(c, c.max_spec_tokens);
   if (bytes > limits.smem_per_block) {
     return unsupported("gdn CUDA replay needs " + std::to_string(bytes) +
-                       " bytes of shared memory per block for this cache's buffer_len and "
-                       "max_spec_tokens (ring records staged: buffer_len - 1 + "
-                       "2·max_spec_tokens); the device gives " +
+                       " bytes of shared memory per block for this cache's head_k_dim, "
+                       "buffer_len and max_spec_tokens (one coefficient per record: "
+                       "buffer_len - 1 + 2·max_spec_tokens); the device gives " +
                        std::to_string(limits.smem_per_block) + " (use a shorter buffer_len)");
   }
   return Status::ok();
@@ -113,19 +113,24 @@ Status fold_layers(StateCacheLayout& cache, int first_layer, int num_layers,
   work.batch = batch;
   work.first_layer = first_layer;
   work.num_layers = num_layers;
-  return launch_replay(cache, work, stream);
+  bool generic = false;
+  REPLAYSSM_RETURN_IF_ERROR(uses_generic_kernels(cache.config, &generic));
+  return generic ? launch_generic(cache, work, stream) : launch_replay(cache, work, stream);
 }
 
 }  // namespace gdn
 
 Status gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args, Stream s) {
   REPLAYSSM_RETURN_IF_ERROR(gdn::check_launch_shape(args.batch));
-  if (l.config.mode == DecodeMode::kEager) return gdn::launch_eager(l, args, to_cuda(s));
   gdn::ReplayWork work;
   work.decode = &args;
   work.slot_ids = args.slot_ids;
   work.batch = args.batch;
   work.first_layer = args.layer;
+  bool generic = false;
+  REPLAYSSM_RETURN_IF_ERROR(gdn::uses_generic_kernels(l.config, &generic));
+  if (generic) return gdn::launch_generic(l, work, to_cuda(s));
+  if (l.config.mode == DecodeMode::kEager) return gdn::launch_eager(l, args, to_cuda(s));
   return gdn::launch_replay(l, work, to_cuda(s));
 }
 

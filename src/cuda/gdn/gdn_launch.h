@@ -34,6 +34,23 @@ struct ReplayWork {
   int num_layers = 1;
 };
 
+/// The generic kernels (gdn_generic.cu) hold a state row over a warp, kGenericPerLane columns
+/// per lane: any head_k_dim up to kGenericMaxK.
+constexpr int kGenericMaxK = 512;
+constexpr int kGenericPerLane = kGenericMaxK / 32;
+
+/// Whether a cache takes the generic kernels: a head size, window width or staging the tuned
+/// kernels are not built for (the tuned ones: head_k_dim in HeadKDims, head_v_dim up to
+/// kMaxHeadVDim, windows in WindowWidths, staging within the device's shared memory).
+Status uses_generic_kernels(const StateCacheConfig& config, bool* generic);
+
+/// Shared memory of a generic replay block for a window of `num_tokens` (0: a fold).
+int generic_smem_bytes(const StateCacheConfig& config, int num_tokens);
+
+/// Decode of one layer (eager or replay) or a fold of layers on the generic kernels, then the
+/// cursor moves (advance_folded).
+Status launch_generic(StateCacheLayout& cache, const ReplayWork& work, cudaStream_t stream);
+
 /// Eager decode of one layer (T = 1): the state is updated in place.
 Status launch_eager(StateCacheLayout& cache, const GdnDecodeArgs& args, cudaStream_t stream);
 

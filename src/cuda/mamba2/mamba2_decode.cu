@@ -56,14 +56,7 @@ Status can_implement(const StateCacheConfig& c) {
 
 namespace {
 
-// The grid's y dimension holds the batch.
-Status check_launch_shape(int batch) {
-  if (batch > 65535) {
-    return unsupported("mamba2 CUDA decode takes at most 65535 rows per call, got " +
-                       std::to_string(batch));
-  }
-  return Status::ok();
-}
+Status check_launch_shape(int batch) { return check_grid_rows(batch, "mamba2 CUDA decode"); }
 
 }  // namespace
 
