@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 
 import replayssm  # noqa: E402
 import replayssm.torch as rt  # noqa: E402
-from conftest import (Driver, assert_same_bytes, bf16_bits, config, gdn_inputs,  # noqa: E402
-                      layer_params, mamba2_inputs)
+from conftest import (Driver, assert_same_bytes, config, gdn_inputs, layer_params,  # noqa: E402
+                      mamba2_inputs)
 from test_decode import export_tolerance, output_tolerance  # noqa: E402
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and replayssm.cuda_available()),
