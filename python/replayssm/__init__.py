@@ -270,7 +270,7 @@ class StateCache:
 
     # Hooks for replayssm.torch: the stream of a call without arrays, and of one with `array`
     # (the compiled module takes the arrays' framework's current stream by itself where the
-    # framework tells it).
+    # framework tells it), and the decodes (one Python call each: they are the hot path).
     def _stream(self, stream: Any) -> Any:
         return stream
 
@@ -287,11 +287,11 @@ class StateCache:
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
         _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
-                         self._array_stream(stream, x), None)
+                         stream, None)
 
     def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream):
         _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
-                      self._array_stream(stream, q), None)
+                      stream, None)
 
 
 def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any, dt: Any, B: Any, C: Any,

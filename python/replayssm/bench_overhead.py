@@ -7,7 +7,7 @@ Each line is the median over `--repeats` windows of `--calls` back-to-back calls
 host before synchronising (a window enqueues fewer launches than CUDA's queue holds, so the
 host never waits for the GPU inside it). Rows:
   batch 0   every array read and checked, the library's per-call checks, no kernel: the
-            binding's own overhead;
+            binding's own overhead (the `_C` row: without the package's Python functions);
   batch 1   the same plus the decode's launches (a replay decode is two kernels);
   torch.ops the registered op through PyTorch's dispatcher (what a torch.compile'd graph or an
             engine calling torch.ops.replayssm.* pays);
@@ -96,6 +96,11 @@ def run_torch(device, calls, repeats):
 
             rows.append((kind, f"replayssm.{kind}_decode", batch, tensors,
                          median_us(direct, calls, repeats, sync)))
+            if batch == 0:
+                native = getattr(_C, f"{kind}_decode")
+                rows.append((kind, f"replayssm._C.{kind}_decode (no Python layer)", batch, tensors,
+                             median_us(lambda: native(cache._native, 0, *args, None, None),
+                                       calls, repeats, sync)))
             rows.append((kind, f"torch.ops.replayssm.{kind}_decode", batch, tensors + len(cache._buffer_list),
                          median_us(lambda: op(cache._id, 0, *args, cache._buffer_list), calls, repeats, sync)))
             _C._set_dlpack_exchange(False)

@@ -31,6 +31,7 @@ import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
+from torch.compiler import is_compiling as _is_compiling
 
 from . import CacheConfig, _C, cache_buffers
 from . import StateCache as _StateCache
@@ -104,14 +105,14 @@ class StateCache(_StateCache):
         return self._native.calls_on_other_buffers
 
     def commit(self, slot_ids: torch.Tensor, accepted: torch.Tensor, *, stream: Any = None) -> None:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.commit(self._id, slot_ids, accepted, self._buffer_list)
         else:
             super().commit(slot_ids, accepted, stream=stream)
 
     def fold(self, slot_ids: torch.Tensor, *, stream: Any = None) -> None:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.fold(self._id, slot_ids, self._buffer_list)
         else:
@@ -133,20 +134,25 @@ class StateCache(_StateCache):
                            device=self._buffer_list[0].device)
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.mamba2_decode(self._id, layer, slot_ids, x, dt, B, C, A, D,
                                               dt_bias, z, out, self._buffer_list)
         else:
-            super()._mamba2_decode(layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream)
+            # _array_stream inlined: this is the eager hot path.
+            _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
+                             stream if stream is not None or _FAST_EXCHANGE
+                             else self._stream(None), None)
 
     def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.gdn_decode(self._id, layer, slot_ids, q, k, v, g, beta, scale,
                                            qk_l2norm, out, self._buffer_list)
         else:
-            super()._gdn_decode(layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream)
+            _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
+                          stream if stream is not None or _FAST_EXCHANGE
+                          else self._stream(None), None)
 
 
 def _cache(cache_id: int) -> StateCache:

@@ -230,40 +230,41 @@ Elem elem_of(DType activation_dtype) {
 
 void expect(const char* op, const Array& a, Elem elem, std::initializer_list<std::int64_t> shape,
             const char* layout, Device device, std::int32_t device_id, Placement placement) {
-  const std::string what = std::string(op) + ": " + a.name;
+  // The message is built only on failure: this runs for every array of every call.
+  const auto fail = [&](const std::string& what) {
+    raise_value(std::string(op) + ": " + a.name + what);
+  };
   const bool shape_ok = a.ndim == static_cast<int>(shape.size()) &&
                         std::equal(shape.begin(), shape.end(), a.shape);
   if (!shape_ok) {
-    raise_value(what + " has shape " + a.shape_text() + ", expected " +
-                join(shape.begin(), static_cast<int>(shape.size())) + " " + layout);
+    fail(" has shape " + a.shape_text() + ", expected " +
+         join(shape.begin(), static_cast<int>(shape.size())) + " " + layout);
   }
   if (!elem_matches(elem, a.dtype)) {
-    raise_value(what + " has dtype " + a.dtype_text() + ", expected " + elem_name(elem));
+    fail(" has dtype " + a.dtype_text() + ", expected " + elem_name(elem));
   }
   const std::int32_t type = a.device.device_type;
   switch (device) {
     case Device::kCpu:
       if (!host_memory(type)) {
-        raise_value(what + " is on " + a.device_text() + "; the cache is on the cpu");
+        fail(" is on " + a.device_text() + "; the cache is on the cpu");
       }
       break;
     case Device::kCuda: {
       const bool host_ok = placement == Placement::kHostOrCacheDevice && host_memory(type);
       if (!host_ok && !cuda_memory(type)) {
-        raise_value(what + " is on " + a.device_text() + "; the cache is on cuda" +
-                    (placement == Placement::kHostOrCacheDevice ? " (host memory is also accepted)"
-                                                                : ""));
+        fail(" is on " + a.device_text() + "; the cache is on cuda" +
+             (placement == Placement::kHostOrCacheDevice ? " (host memory is also accepted)" : ""));
       }
       if (type == kDLCUDA && device_id >= 0 && a.device.device_id != device_id) {
-        raise_value(what + " is on " + a.device_text() + "; the cache is on cuda:" +
-                    std::to_string(device_id));
+        fail(" is on " + a.device_text() + "; the cache is on cuda:" + std::to_string(device_id));
       }
       break;
     }
   }
   if (!a.row_major()) {
-    raise_value(what + " is not contiguous (strides " + join(a.strides, a.ndim) +
-                " for shape " + a.shape_text() + "); pass a dense row-major array");
+    fail(" is not contiguous (strides " + join(a.strides, a.ndim) + " for shape " +
+         a.shape_text() + "); pass a dense row-major array");
   }
 }
 

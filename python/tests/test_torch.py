@@ -141,19 +141,27 @@ def test_cuda_matches_cpu_and_oracle(case):
     assert gpu.export_error() <= export_tolerance(cfg, tokens) + 1e-4
 
 
-def mamba2_step_tensors(cfg, rng, ids, device="cuda"):
-    """One step's inputs for every layer, as lists of CUDA tensors."""
-    arr = torch_array(device)
-    steps = [mamba2_inputs(cfg, rng, len(ids), 1, True)[0] for _ in range(cfg.num_layers)]
-    return {name: [arr(s[name]) for s in steps] for name in ("x", "dt", "B", "C", "z")}
+def step_tensors(cfg, rng, batch, T):
+    """One step's decode inputs for every layer: per layer, the arrays after slot_ids in the
+    op's order, as CUDA tensors."""
+    arr = torch_array("cuda")
+    if cfg.kind == "mamba2":
+        names = ("x", "dt", "B", "C", "z")
+        steps = [mamba2_inputs(cfg, rng, batch, T, True)[0] for _ in range(cfg.num_layers)]
+    else:
+        names = ("q", "k", "v", "g", "beta")
+        steps = [gdn_inputs(cfg, rng, batch, T)[0] for _ in range(cfg.num_layers)]
+    return [[arr(s[name]) for name in names] for s in steps]
 
 
 @cuda
 @pytest.mark.cuda
-def test_cuda_graph_of_a_multi_layer_step_equals_eager_calls():
-    """Every layer's decode plus the commit, captured once with torch.cuda.graph and replayed
-    with new inputs each step (across folds), gives the bytes of the same calls made eagerly."""
-    cfg = config("mamba2", num_layers=3, buffer_len=4, checkpoint="fp32+bf16",
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_cuda_graph_of_a_multi_layer_step_equals_eager_calls(kind):
+    """Every layer's verify of a 2-token window plus the commit of a device-side count, captured
+    once with torch.cuda.graph and replayed with new inputs and counts each step (across
+    folds), gives the bytes of the same calls made eagerly."""
+    cfg = config(kind, num_layers=3, buffer_len=4, max_spec_tokens=2, checkpoint="fp32+bf16",
                  input_dtype="bfloat16", device="cuda")
     rng = np.random.default_rng(5)
     eager, graphed = rt.StateCache(cfg), rt.StateCache(cfg)
@@ -165,36 +173,45 @@ def test_cuda_graph_of_a_multi_layer_step_equals_eager_calls():
             eager.load_state(layer, slot, s)
             graphed.load_state(layer, slot, s)
     arr = torch_array("cuda")
-    params = [{k: arr(getattr(p, k)) for k in ("A", "D", "dt_bias")} for p in layer_params(cfg, rng)]
-    accepted = torch.ones(2, dtype=torch.int32, device="cuda")
+    params = ([[arr(getattr(p, k)) for k in ("A", "D", "dt_bias")] for p in layer_params(cfg, rng)]
+              if kind == "mamba2" else None)
 
-    def step(cache, inputs, outs):
-        for layer in range(cfg.num_layers):
-            replayssm.mamba2_decode(cache, layer, ids, inputs["x"][layer], inputs["dt"][layer],
-                                    inputs["B"][layer], inputs["C"][layer], **params[layer],
-                                    z=inputs["z"][layer], out=outs[layer])
+    def step(cache, inputs, accepted, outs):
+        for layer, args in enumerate(inputs):
+            if kind == "mamba2":
+                x, dt, B, C, z = args
+                replayssm.mamba2_decode(cache, layer, ids, x, dt, B, C, *params[layer], z,
+                                        out=outs[layer])
+            else:
+                replayssm.gdn_decode(cache, layer, ids, *args, out=outs[layer])
         cache.commit(ids, accepted)
 
-    static = mamba2_step_tensors(cfg, rng, ids)
-    static_out = [torch.empty_like(x) for x in static["x"]]
+    def counts():
+        return torch.tensor(rng.integers(0, 3, 2), dtype=torch.int32, device="cuda")
+
+    static, static_accepted = step_tensors(cfg, rng, 2, 2), counts()
+    # Outputs are shaped like x (Mamba-2) or v (GDN).
+    static_out = [torch.empty_like(args[2] if kind == "gdn" else args[0]) for args in static]
     # One eager step on both (first launches outside the capture), then capture.
-    step(eager, static, [torch.empty_like(x) for x in static["x"]])
-    step(graphed, static, static_out)
+    step(eager, static, static_accepted, [torch.empty_like(o) for o in static_out])
+    step(graphed, static, static_accepted, static_out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step(graphed, static, static_out)
+        step(graphed, static, static_accepted, static_out)
     for _ in range(9):
-        new = mamba2_step_tensors(cfg, rng, ids)
-        for name in static:
-            for dst, src in zip(static[name], new[name]):
+        new, accepted = step_tensors(cfg, rng, 2, 2), counts()
+        for dst_args, src_args in zip(static, new):
+            for dst, src in zip(dst_args, src_args):
                 dst.copy_(src)
+        static_accepted.copy_(accepted)
         graph.replay()
-        outs = [torch.empty_like(x) for x in new["x"]]
-        step(eager, new, outs)
+        outs = [torch.empty_like(o) for o in static_out]
+        step(eager, new, accepted, outs)
         torch.cuda.synchronize()
         for a, b in zip(static_out, outs):
             assert torch.equal(a, b)
     assert_same_bytes(tensor_snapshot(graphed), tensor_snapshot(eager))
+    assert eager.buffers["committed"][:2].tolist() != [0, 0]
 
 
 @cuda
