@@ -98,34 +98,35 @@ int batch_of(std::int64_t n) {
   return static_cast<int>(n);
 }
 
-void load_state(PyCache& self, int layer, int slot, nb::handle state, nb::handle stream) {
+// load_state / export_state: one layer's fp32 state [heads, rows, cols], host memory or (CUDA
+// caches) device memory; both synchronise the stream, so they run without the GIL.
+template <typename Call>
+void state_io(PyCache& self, const char* op, const char* name, nb::handle array, Access access,
+              nb::handle stream, Call&& call) {
   ArrayReader reader;
-  const Array a = reader.read(state, "load_state", "state", Access::kRead);
+  const Array a = reader.read(array, op, name, access);
   const StateDims d = self.config().dims();
-  expect("load_state", a, Elem::kF32, {d.heads, d.rows, d.cols}, "([heads, rows, cols])",
+  expect(op, a, Elem::kF32, {d.heads, d.rows, d.cols}, "([heads, rows, cols])",
          self.config().device, self.device_id, Placement::kHostOrCacheDevice);
   void* s = op_stream(self, stream, reader, a);
   Status st;
   {
     nb::gil_scoped_release unlocked;
-    st = state_cache_load_state(*self.cache, layer, slot, static_cast<const float*>(a.data), s);
+    st = call(static_cast<float*>(a.data), s);
   }
   check(st);
 }
 
+void load_state(PyCache& self, int layer, int slot, nb::handle state, nb::handle stream) {
+  state_io(self, "load_state", "state", state, Access::kRead, stream, [&](float* p, void* s) {
+    return state_cache_load_state(*self.cache, layer, slot, p, s);
+  });
+}
+
 void export_state(PyCache& self, int layer, int slot, nb::handle out, nb::handle stream) {
-  ArrayReader reader;
-  const Array a = reader.read(out, "export_state", "out", Access::kWrite);
-  const StateDims d = self.config().dims();
-  expect("export_state", a, Elem::kF32, {d.heads, d.rows, d.cols}, "([heads, rows, cols])",
-         self.config().device, self.device_id, Placement::kHostOrCacheDevice);
-  void* s = op_stream(self, stream, reader, a);
-  Status st;
-  {
-    nb::gil_scoped_release unlocked;
-    st = state_cache_export_state(*self.cache, layer, slot, static_cast<float*>(a.data), s);
-  }
-  check(st);
+  state_io(self, "export_state", "out", out, Access::kWrite, stream, [&](float* p, void* s) {
+    return state_cache_export_state(*self.cache, layer, slot, p, s);
+  });
 }
 
 void commit(PyCache& self, nb::handle slot_ids, nb::handle accepted, nb::handle stream,

@@ -10,127 +10,133 @@ namespace replayssm::python {
 
 namespace {
 
-// Runs `call` on the cache; CPU decodes run without the GIL (they take milliseconds and
-// threads of their own), CUDA decodes only enqueue kernels and keep it.
-template <typename Call>
-void run(const StateCacheConfig& c, Call&& call) {
-  Status st;
-  if (c.device == Device::kCpu) {
-    nb::gil_scoped_release unlocked;
-    st = call();
-  } else {
-    st = call();
+// The arrays of one decode call: the slot ids give the batch, the first activation the window
+// (T); every further array is read and checked against the cache's configuration on the way
+// in. Then the stream, the cache (or a view over copies of its buffers) and the call.
+class DecodeCall {
+ public:
+  DecodeCall(PyCache& self, const char* op, nb::handle slot_ids, nb::handle first,
+             const char* first_name, std::int64_t heads, std::int64_t dim, const char* layout)
+      : self_(self), op_(op), act_(elem_of(self.config().input_dtype)) {
+    ids = reader_.read(slot_ids, op, "slot_ids", Access::kRead);
+    batch = dim_of(op, ids, 1, 0, "([batch])");
+    first_ = reader_.read(first, op, first_name, Access::kRead);
+    T = dim_of(op, first_, 4, 1, layout);
+    check_array(ids, Elem::kI32, {batch}, "([batch])");
+    check_array(first_, act_, {batch, T, heads, dim}, layout);
   }
-  check(st);
-}
+
+  /// Activation [batch, T, heads, dim] in the cache's input dtype.
+  const void* activation(nb::handle h, const char* name, std::int64_t heads, std::int64_t dim,
+                         const char* layout, Access access = Access::kRead) {
+    return read(h, name, act_, {batch, T, heads, dim}, layout, access);
+  }
+  /// fp32 [batch, T, heads].
+  const float* per_token(nb::handle h, const char* name, std::int64_t heads, const char* layout) {
+    return static_cast<const float*>(read(h, name, Elem::kF32, {batch, T, heads}, layout));
+  }
+  /// fp32 [heads] (a layer parameter).
+  const float* per_head(nb::handle h, const char* name, std::int64_t heads, const char* layout) {
+    return static_cast<const float*>(read(h, name, Elem::kF32, {heads}, layout));
+  }
+  const void* first() const { return first_.data; }
+
+  /// Runs `call(target, stream)` on the cache the op acts on. CPU decodes run without the GIL
+  /// (they take milliseconds and threads of their own); CUDA decodes only enqueue kernels.
+  template <typename Call>
+  void run(nb::handle stream, nb::handle buffers, Call&& call) {
+    void* st = op_stream(self_, stream, reader_, first_);
+    std::unique_ptr<StateCache> holder;
+    StateCache& target = op_target(self_, buffers, reader_, op_, st, &holder);
+    Status status;
+    if (self_.config().device == Device::kCpu) {
+      nb::gil_scoped_release unlocked;
+      status = call(target, st);
+    } else {
+      status = call(target, st);
+    }
+    check(status);
+  }
+
+  Array ids;
+  std::int64_t batch = 0;
+  std::int64_t T = 0;
+
+ private:
+  const void* read(nb::handle h, const char* name, Elem elem,
+                   std::initializer_list<std::int64_t> shape, const char* layout,
+                   Access access = Access::kRead) {
+    const Array a = reader_.read(h, op_, name, access);
+    check_array(a, elem, shape, layout);
+    return a.data;
+  }
+  void check_array(const Array& a, Elem elem, std::initializer_list<std::int64_t> shape,
+                   const char* layout) {
+    expect(op_, a, elem, shape, layout, self_.config().device, self_.device_id);
+  }
+
+  PyCache& self_;
+  const char* op_;
+  Elem act_;
+  ArrayReader reader_;
+  Array first_;
+};
 
 void mamba2_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle x, nb::handle dt,
                    nb::handle B, nb::handle C, nb::handle A, nb::handle D, nb::handle dt_bias,
                    nb::handle z, nb::handle out, nb::handle stream, nb::handle buffers) {
-  constexpr const char* op = "mamba2_decode";
-  const StateCacheConfig& c = self.config();
   // On a cache of the other kind, the library's own message.
-  if (c.kind != LayerKind::kMamba2) check(replayssm::mamba2_decode(*self.cache, {}));
-  const Mamba2Shape& s = c.mamba2;
-  const Elem act = elem_of(c.input_dtype);
-  const Device dev = c.device;
-  const std::int32_t id = self.device_id;
-  ArrayReader r;
-  const Array ids = r.read(slot_ids, op, "slot_ids", Access::kRead);
-  const std::int64_t batch = dim_of(op, ids, 1, 0, "([batch])");
-  const Array ax = r.read(x, op, "x", Access::kRead);
-  const std::int64_t T = dim_of(op, ax, 4, 1, "([batch, T, nheads, head_dim])");
-  expect(op, ids, Elem::kI32, {batch}, "([batch])", dev, id);
-  expect(op, ax, act, {batch, T, s.nheads, s.head_dim}, "([batch, T, nheads, head_dim])", dev, id);
-  const Array adt = r.read(dt, op, "dt", Access::kRead);
-  expect(op, adt, Elem::kF32, {batch, T, s.nheads}, "([batch, T, nheads])", dev, id);
-  const Array aB = r.read(B, op, "B", Access::kRead);
-  expect(op, aB, act, {batch, T, s.ngroups, s.dstate}, "([batch, T, ngroups, dstate])", dev, id);
-  const Array aC = r.read(C, op, "C", Access::kRead);
-  expect(op, aC, act, {batch, T, s.ngroups, s.dstate}, "([batch, T, ngroups, dstate])", dev, id);
-  Array az;
-  if (!z.is_none()) {
-    az = r.read(z, op, "z", Access::kRead);
-    expect(op, az, act, {batch, T, s.nheads, s.head_dim}, "([batch, T, nheads, head_dim])", dev, id);
-  }
-  const Array aA = r.read(A, op, "A", Access::kRead);
-  expect(op, aA, Elem::kF32, {s.nheads}, "([nheads])", dev, id);
-  const Array aD = r.read(D, op, "D", Access::kRead);
-  expect(op, aD, Elem::kF32, {s.nheads}, "([nheads])", dev, id);
-  const Array abias = r.read(dt_bias, op, "dt_bias", Access::kRead);
-  expect(op, abias, Elem::kF32, {s.nheads}, "([nheads])", dev, id);
-  const Array ay = r.read(out, op, "out", Access::kWrite);
-  expect(op, ay, act, {batch, T, s.nheads, s.head_dim}, "([batch, T, nheads, head_dim])", dev, id);
-
-  void* st = op_stream(self, stream, r, ax);
-  std::unique_ptr<StateCache> holder;
-  StateCache& target = op_target(self, buffers, r, op, st, &holder);
+  if (self.config().kind != LayerKind::kMamba2) check(replayssm::mamba2_decode(*self.cache, {}));
+  const Mamba2Shape& s = self.config().mamba2;
+  constexpr const char* kHeads = "([batch, T, nheads, head_dim])";
+  constexpr const char* kGroups = "([batch, T, ngroups, dstate])";
+  DecodeCall call(self, "mamba2_decode", slot_ids, x, "x", s.nheads, s.head_dim, kHeads);
   Mamba2DecodeArgs args;
   args.layer = layer;
-  args.batch = static_cast<int>(batch);
-  args.num_tokens = static_cast<int>(T);
-  args.slot_ids = static_cast<const std::int32_t*>(ids.data);
-  args.x = ax.data;
-  args.dt = static_cast<const float*>(adt.data);
-  args.B = aB.data;
-  args.C = aC.data;
-  args.z = z.is_none() ? nullptr : az.data;
-  args.A = static_cast<const float*>(aA.data);
-  args.D = static_cast<const float*>(aD.data);
-  args.dt_bias = static_cast<const float*>(abias.data);
-  args.y = ay.data;
-  run(c, [&] { return replayssm::mamba2_decode(target, args, st); });
+  args.batch = static_cast<int>(call.batch);
+  args.num_tokens = static_cast<int>(call.T);
+  args.slot_ids = static_cast<const std::int32_t*>(call.ids.data);
+  args.x = call.first();
+  args.dt = call.per_token(dt, "dt", s.nheads, "([batch, T, nheads])");
+  args.B = call.activation(B, "B", s.ngroups, s.dstate, kGroups);
+  args.C = call.activation(C, "C", s.ngroups, s.dstate, kGroups);
+  if (!z.is_none()) args.z = call.activation(z, "z", s.nheads, s.head_dim, kHeads);
+  args.A = call.per_head(A, "A", s.nheads, "([nheads])");
+  args.D = call.per_head(D, "D", s.nheads, "([nheads])");
+  args.dt_bias = call.per_head(dt_bias, "dt_bias", s.nheads, "([nheads])");
+  args.y = const_cast<void*>(
+      call.activation(out, "out", s.nheads, s.head_dim, kHeads, Access::kWrite));
+  call.run(stream, buffers, [&](StateCache& target, void* st) {
+    return replayssm::mamba2_decode(target, args, st);
+  });
 }
 
 void gdn_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle q, nb::handle k,
                 nb::handle v, nb::handle g, nb::handle beta, float scale, bool qk_l2norm,
                 nb::handle out, nb::handle stream, nb::handle buffers) {
-  constexpr const char* op = "gdn_decode";
-  const StateCacheConfig& c = self.config();
-  if (c.kind != LayerKind::kGdn) check(replayssm::gdn_decode(*self.cache, {}));
-  const GdnShape& s = c.gdn;
-  const Elem act = elem_of(c.input_dtype);
-  const Device dev = c.device;
-  const std::int32_t id = self.device_id;
-  ArrayReader r;
-  const Array ids = r.read(slot_ids, op, "slot_ids", Access::kRead);
-  const std::int64_t batch = dim_of(op, ids, 1, 0, "([batch])");
-  const Array aq = r.read(q, op, "q", Access::kRead);
-  const std::int64_t T = dim_of(op, aq, 4, 1, "([batch, T, num_k_heads, head_k_dim])");
-  expect(op, ids, Elem::kI32, {batch}, "([batch])", dev, id);
-  expect(op, aq, act, {batch, T, s.num_k_heads, s.head_k_dim},
-         "([batch, T, num_k_heads, head_k_dim])", dev, id);
-  const Array ak = r.read(k, op, "k", Access::kRead);
-  expect(op, ak, act, {batch, T, s.num_k_heads, s.head_k_dim},
-         "([batch, T, num_k_heads, head_k_dim])", dev, id);
-  const Array av = r.read(v, op, "v", Access::kRead);
-  expect(op, av, act, {batch, T, s.num_v_heads, s.head_v_dim},
-         "([batch, T, num_v_heads, head_v_dim])", dev, id);
-  const Array ag = r.read(g, op, "g", Access::kRead);
-  expect(op, ag, Elem::kF32, {batch, T, s.num_v_heads}, "([batch, T, num_v_heads])", dev, id);
-  const Array abeta = r.read(beta, op, "beta", Access::kRead);
-  expect(op, abeta, Elem::kF32, {batch, T, s.num_v_heads}, "([batch, T, num_v_heads])", dev, id);
-  const Array ao = r.read(out, op, "out", Access::kWrite);
-  expect(op, ao, act, {batch, T, s.num_v_heads, s.head_v_dim},
-         "([batch, T, num_v_heads, head_v_dim])", dev, id);
-
-  void* st = op_stream(self, stream, r, aq);
-  std::unique_ptr<StateCache> holder;
-  StateCache& target = op_target(self, buffers, r, op, st, &holder);
+  if (self.config().kind != LayerKind::kGdn) check(replayssm::gdn_decode(*self.cache, {}));
+  const GdnShape& s = self.config().gdn;
+  constexpr const char* kKeys = "([batch, T, num_k_heads, head_k_dim])";
+  constexpr const char* kValues = "([batch, T, num_v_heads, head_v_dim])";
+  constexpr const char* kScalars = "([batch, T, num_v_heads])";
+  DecodeCall call(self, "gdn_decode", slot_ids, q, "q", s.num_k_heads, s.head_k_dim, kKeys);
   GdnDecodeArgs args;
   args.layer = layer;
-  args.batch = static_cast<int>(batch);
-  args.num_tokens = static_cast<int>(T);
-  args.slot_ids = static_cast<const std::int32_t*>(ids.data);
-  args.q = aq.data;
-  args.k = ak.data;
-  args.v = av.data;
-  args.g = static_cast<const float*>(ag.data);
-  args.beta = static_cast<const float*>(abeta.data);
+  args.batch = static_cast<int>(call.batch);
+  args.num_tokens = static_cast<int>(call.T);
+  args.slot_ids = static_cast<const std::int32_t*>(call.ids.data);
+  args.q = call.first();
+  args.k = call.activation(k, "k", s.num_k_heads, s.head_k_dim, kKeys);
+  args.v = call.activation(v, "v", s.num_v_heads, s.head_v_dim, kValues);
+  args.g = call.per_token(g, "g", s.num_v_heads, kScalars);
+  args.beta = call.per_token(beta, "beta", s.num_v_heads, kScalars);
   args.qk_l2norm = qk_l2norm;
   args.scale = scale;
-  args.o = ao.data;
-  run(c, [&] { return replayssm::gdn_decode(target, args, st); });
+  args.o = const_cast<void*>(
+      call.activation(out, "out", s.num_v_heads, s.head_v_dim, kValues, Access::kWrite));
+  call.run(stream, buffers, [&](StateCache& target, void* st) {
+    return replayssm::gdn_decode(target, args, st);
+  });
 }
 
 }  // namespace
