@@ -250,7 +250,8 @@ class StateCache:
     def export_state(self, layer: int, slot: int, out: Any = None, *, stream: Any = None) -> Any:
         """One layer's current state of a slot as float32 ``config.state_shape`` (a replay
         cache folds the layer's committed history first), written into ``out`` (host or, for a
-        CUDA cache, device memory) or a new NumPy array; returns it."""
+        CUDA cache, device memory) or a new array (NumPy; for a ``replayssm.torch`` cache a
+        tensor on its device); returns it."""
         if out is None:
             out = self._new_state()
         self._native.export_state(layer, slot, out, self._array_stream(stream, out))

@@ -15,7 +15,8 @@ torch.compile. A cache's buffers are torch tensors, and every registered op decl
 mutated (``Tensor(a!)[] buffers``), along with ``out``: the compiler orders decodes and commits by
 their effects on the cache, never drops one, and never reorders an op past a read of its output.
 The cache itself travels as an int (its id in a registry of live caches), which Dynamo treats as
-a constant. Called on a ``replayssm.torch.StateCache``, ``replayssm.mamba2_decode`` and friends
+a constant. Inductor re-inplaces those mutations onto the cache's own buffers (the tests check
+that a compiled step runs no op on copies). Called on a ``replayssm.torch.StateCache``, ``replayssm.mamba2_decode`` and friends
 emit the registered ops while Dynamo traces (``torch.compile(fullgraph=True)`` works) and call
 the library directly in eager mode, which skips the dispatcher's few microseconds per call.
 
