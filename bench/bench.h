@@ -53,8 +53,13 @@ struct BenchOptions {
   int repetitions = 5;  ///< timed cycles per case; the median is reported
   int warmup_cycles = 1;
   /// Rotate over enough slot groups that one cycle touches at least this much state, so the
-  /// state comes from memory and not from a cache; 0 = 4 × the last-level cache.
+  /// state comes from memory and not from a cache; 0 = kStreamCacheMultiple × the last-level
+  /// cache (CPU) or the L2 (CUDA).
   std::int64_t min_state_bytes = 0;
+  /// CPU: when > 0, fewer slot groups where needed so that the caches of one shape and batch
+  /// (eager and every replay precision, timed side by side) hold at most this many bytes; the
+  /// table then shows how many times the last-level cache each case still streams.
+  std::int64_t memory_budget_bytes = 0;
   /// Called with (fraction done, what runs now); may be empty.
   std::function<void(double, const std::string&)> progress;
 };
@@ -67,6 +72,9 @@ struct BenchResult {
   int buffer_len = 0;
   FlushPattern flush = FlushPattern::kAligned;
   int slot_groups = 1;       ///< groups of `batch` slots rotated step by step
+  /// CPU: bytes of eager state the rotation covers (slot_groups × batch × state), which every
+  /// case's cache holds in its own format; 0 elsewhere.
+  double stream_bytes = 0.0;
   double us_per_step = 0.0;  ///< median over repetitions, one decode (+ commit) of the batch
   double us_min = 0.0;       ///< fastest repetition
   double model_bytes = 0.0;  ///< bytes model, per step
@@ -115,6 +123,8 @@ struct BenchReport {
   /// halving a step's bytes can buy: where a read of N bytes costs nearly an update's 2N,
   /// replay with an fp32 checkpoint gains little over eager (docs/BENCHMARKS.md, CPU).
   double read_gbps = 0.0;
+  /// CPU only: the last-level cache the rotation is sized against (last_level_cache_bytes).
+  std::int64_t cache_bytes = 0;
   std::vector<BenchResult> results;
   std::vector<SpecBenchResult> spec;  ///< the speculative comparison, when one was run
   /// What pct_of_copy is measured against: the larger of the two bandwidths.
@@ -122,6 +132,18 @@ struct BenchReport {
     return copy_gbps > update_gbps ? copy_gbps : update_gbps;
   }
 };
+
+/// The rotation's default: the state one cycle touches is this many times the cache, so that
+/// (with any replacement policy) it comes from memory, as at serving scale.
+inline constexpr int kStreamCacheMultiple = 4;
+
+/// Bytes of the last-level CPU cache this process can use: the sum of the distinct
+/// last-level caches of the online CPUs (sysfs), else sysconf's level-3 size, else 32 MiB.
+std::int64_t last_level_cache_bytes();
+
+/// What quick runs (`bench` without --full, `demo`) give BenchOptions::memory_budget_bytes:
+/// 2 GiB, or a quarter of the machine's memory where that is less.
+std::int64_t bench_quick_memory_budget();
 
 Status run_cpu_bench(const BenchOptions& options, BenchReport* report);
 /// Implemented in bench/cuda_bench.cu by the CUDA backend; both layer families (GDN shapes
@@ -138,7 +160,8 @@ double median(std::vector<double> v);
 
 /// Fills model_bytes, gbps, pct_of_copy and speedup of every result from its timing.
 void bench_finish(BenchReport* report, const BenchOptions& options);
-/// A table, one line per case (then the speculative comparison's, when there is one).
+/// A table, one line per case, and a legend of its columns (then the speculative comparison's
+/// table, when there is one).
 void bench_print(const BenchReport& report, std::FILE* out);
 Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                         const std::string& path);

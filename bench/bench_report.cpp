@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "bench.h"
 #include "bytes_model.h"
+#include "io/output_file.h"
 #include "replayssm/version.h"
 
 namespace replayssm {
@@ -40,24 +40,48 @@ std::string mode_label(const BenchResult& r) {
   return std::string("replay ") + checkpoint_precision_name(r.checkpoint);
 }
 
-// The protocol's cases, one line each.
+// The protocol's cases, one line each, then what the columns mean.
 void protocol_print(const BenchReport& report, std::FILE* out) {
-  std::fprintf(out, "%-12s %6s %-18s %3s %-9s %11s %9s %8s %7s %8s\n", "shape", "batch", "mode",
-               "L", "flush", "us/step", "MB/step", "GB/s", "%copy", "speedup");
+  const bool streams = report.cache_bytes > 0;  // CPU: how far the rotation outsizes the cache
+  std::fprintf(out, "%-12s %6s %-18s %3s %-9s %11s %9s %8s %7s %8s%s\n", "shape", "batch", "mode",
+               "L", "flush", "us/step", "MB/step", "GB/s", "%copy", "speedup",
+               streams ? "   xLLC" : "");
   for (const BenchResult& r : report.results) {
-    std::fprintf(out, "%-12s %6d %-18s %3d %-9s %11.1f %9.1f %8.1f %6.0f%% %7.2fx\n",
-                 r.shape.c_str(), r.batch, mode_label(r).c_str(), r.buffer_len,
-                 flush_pattern_name(r.flush), r.us_per_step, r.model_bytes / 1e6, r.gbps,
-                 r.pct_of_copy, r.speedup);
+    std::fprintf(out, "%-12s %6d %-18s %3d %-9s %11.1f %9.1f %8.1f %6.0f%% %7.2fx", r.shape.c_str(),
+                 r.batch, mode_label(r).c_str(), r.buffer_len, flush_pattern_name(r.flush),
+                 r.us_per_step, r.model_bytes / 1e6, r.gbps, r.pct_of_copy, r.speedup);
+    if (streams) std::fprintf(out, " %6.1fx", r.stream_bytes / double(report.cache_bytes));
+    std::fprintf(out, "\n");
   }
   bool split = false;
   for (const BenchResult& r : report.results) split = split || r.us_fold_step > 0.0;
-  if (!split) return;
-  std::fprintf(out, "replay steps apart (aligned flushes): us of the fold step / of a plain step\n");
-  for (const BenchResult& r : report.results) {
-    if (r.us_fold_step <= 0.0) continue;
-    std::fprintf(out, "%-12s %6d %-18s %11.1f / %.1f\n", r.shape.c_str(), r.batch,
-                 mode_label(r).c_str(), r.us_fold_step, r.us_plain_step);
+  if (split) {
+    std::fprintf(out,
+                 "replay steps apart (aligned flushes): us of the fold step / of a plain step\n");
+    for (const BenchResult& r : report.results) {
+      if (r.us_fold_step <= 0.0) continue;
+      std::fprintf(out, "%-12s %6d %-18s %11.1f / %.1f\n", r.shape.c_str(), r.batch,
+                   mode_label(r).c_str(), r.us_fold_step, r.us_plain_step);
+    }
+  }
+  std::fprintf(
+      out,
+      "\nus/step  median time of one decode step of the whole batch (decode + commit, and the\n"
+      "         fold on the step it falls due), timed over whole cycles of L steps\n"
+      "MB/step  bytes the step must move by the bytes model (bench/bytes_model.h): state and\n"
+      "         ring traffic; activations, the same in every mode, are not counted\n"
+      "GB/s     MB/step / us/step: the bandwidth the step reaches by that model\n"
+      "%%copy    that GB/s against the best bandwidth measured above (%.1f GB/s, read + write)\n"
+      "speedup  eager us/step / this us/step: same shape and batch, timed in the same run\n"
+      "flush    aligned: every row folds on the same step of the cycle; staggered: 1/L of the\n"
+      "         rows fold on each step\n",
+      report.peak_gbps());
+  if (streams) {
+    std::fprintf(out,
+                 "xLLC     state the case cycles through (slot groups x batch x state) over the "
+                 "%.0f MiB\n         last-level cache: >= %d streams it from memory, as at serving "
+                 "scale\n",
+                 double(report.cache_bytes) / double(1 << 20), kStreamCacheMultiple);
   }
 }
 
@@ -149,6 +173,7 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                      {"buffer_len", r.buffer_len},
                      {"flush", flush_pattern_name(r.flush)},
                      {"slot_groups", r.slot_groups},
+                     {"stream_bytes", r.stream_bytes},
                      {"us_per_step_median", r.us_per_step},
                      {"us_per_step_min", r.us_min},
                      {"us_fold_step", r.us_fold_step},
@@ -179,6 +204,7 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                     {"copy_gbps", report.copy_gbps},
                     {"update_gbps", report.update_gbps},
                     {"read_gbps", report.read_gbps},
+                    {"cache_bytes", report.cache_bytes},
                     {"peak_gbps", report.peak_gbps()},
                     {"input_dtype", dtype_name(options.input_dtype)},
                     {"eager_state_dtype", dtype_name(options.eager_state_dtype)},
@@ -192,12 +218,9 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
   } catch (const json::exception& e) {  // only on invalid UTF-8, which no field holds
     return {StatusCode::kInternal, std::string("cannot encode the JSON report: ") + e.what()};
   }
-  std::ofstream file(path);
-  if (!file) return {StatusCode::kIoError, "cannot create '" + path + "'"};
-  file << text << "\n";
-  file.close();
-  if (!file) return {StatusCode::kIoError, "cannot write '" + path + "'"};
-  return Status::ok();
+  text += "\n";
+  return output_file_write(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()),
+                                           text.size()));
 }
 
 }  // namespace replayssm

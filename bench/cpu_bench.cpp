@@ -3,13 +3,16 @@
 // streams from memory (BENCHMARKS.md, protocol and CPU).
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench.h"
@@ -28,27 +31,6 @@ using Clock = std::chrono::steady_clock;
 // repeated token (which would let a cache keep the activations hot).
 constexpr int kInputSets = 4;
 constexpr std::uint64_t kInputSeed = 2024;
-
-// Size of the largest CPU cache (the last level), from sysfs; 32 MiB when unknown.
-std::int64_t last_level_cache_bytes() {
-  std::int64_t best = 0;
-  int best_level = 0;
-  for (int i = 0; i < 16; ++i) {
-    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
-    std::ifstream level_file(dir + "level"), size_file(dir + "size");
-    int level = 0;
-    std::string size;  // "32768K"
-    if (!(level_file >> level) || !(size_file >> size) || size.empty()) continue;
-    std::int64_t bytes = std::atoll(size.c_str());
-    if (size.back() == 'K') bytes <<= 10;
-    if (size.back() == 'M') bytes <<= 20;
-    if (level > best_level || (level == best_level && bytes > best)) {
-      best_level = level;
-      best = bytes;
-    }
-  }
-  return best > 0 ? best : std::int64_t{32} << 20;
-}
 
 // Read + write bandwidth of main memory with all the threads the kernels use, GB/s (bytes read
 // plus bytes written, per second), best of 5 over 256 MiB: `memcpy_gbps` for a memcpy split
@@ -109,6 +91,23 @@ void measure_bandwidth(double* memcpy_gbps, double* update_gbps, double* read_gb
   (void)sink;
 }
 
+// The CPU cache of one case of the benchmark.
+StateCacheConfig case_config(const BenchShape& shape, const BenchOptions& options,
+                             DecodeMode mode, CheckpointPrecision checkpoint, int capacity) {
+  StateCacheConfig config;
+  config.kind = shape.kind;
+  config.mamba2 = shape.mamba2;
+  config.gdn = shape.gdn;
+  config.capacity = capacity;
+  config.device = Device::kCpu;
+  config.mode = mode;
+  config.input_dtype = options.input_dtype;
+  config.state_dtype = options.eager_state_dtype;
+  config.buffer_len = options.buffer_len;
+  config.checkpoint = checkpoint;
+  return config;
+}
+
 // One step's inputs for the whole batch, in the cache's dtypes ([batch, 1, ...] windows are
 // the trace's [batch, ...] rows of one step).
 struct StepInputs {
@@ -129,18 +128,8 @@ class CaseRunner {
       : shape_(shape), batch_(batch), groups_(groups), options_(options) {}
 
   Status init(DecodeMode mode, CheckpointPrecision checkpoint) {
-    StateCacheConfig config;
-    config.kind = shape_.kind;
-    config.mamba2 = shape_.mamba2;
-    config.gdn = shape_.gdn;
-    config.capacity = batch_ * groups_;
-    config.device = Device::kCpu;
-    config.mode = mode;
-    config.input_dtype = options_.input_dtype;
-    config.state_dtype = options_.eager_state_dtype;
-    config.buffer_len = options_.buffer_len;
-    config.checkpoint = checkpoint;
-    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_));
+    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(
+        case_config(shape_, options_, mode, checkpoint, batch_ * groups_), &cache_));
     group_slots_.assign(static_cast<std::size_t>(groups_), {});
     for (auto& group : group_slots_) {
       for (int b = 0; b < batch_; ++b) {
@@ -292,6 +281,35 @@ int slot_groups(const BenchShape& shape, int batch, const BenchOptions& options,
       std::max<std::int64_t>(1, (min_state_bytes + group_bytes - 1) / group_bytes));
 }
 
+// Bytes one slot takes in a cache of this case (state or checkpoint copies, ring, cursors),
+// measured on a one-slot cache.
+Status bytes_per_slot(const BenchShape& shape, const BenchOptions& options, DecodeMode mode,
+                      CheckpointPrecision checkpoint, std::int64_t* bytes) {
+  std::unique_ptr<StateCache> cache;
+  REPLAYSSM_RETURN_IF_ERROR(
+      state_cache_create(case_config(shape, options, mode, checkpoint, 1), &cache));
+  *bytes = cache->bytes();
+  return Status::ok();
+}
+
+// The slot groups of one shape and batch: enough to stream min_state_bytes, but no more than
+// the memory budget lets all the cases (eager and each replay precision) hold at once.
+Status slot_groups_within_budget(const BenchShape& shape, int batch, const BenchOptions& options,
+                                 std::int64_t min_state_bytes, int* groups) {
+  *groups = slot_groups(shape, batch, options, min_state_bytes);
+  if (options.memory_budget_bytes <= 0) return Status::ok();
+  std::int64_t per_slot = 0, bytes = 0;
+  REPLAYSSM_RETURN_IF_ERROR(bytes_per_slot(shape, options, DecodeMode::kEager,
+                                           CheckpointPrecision::kFp32, &per_slot));
+  for (CheckpointPrecision c : options.checkpoints) {
+    REPLAYSSM_RETURN_IF_ERROR(bytes_per_slot(shape, options, DecodeMode::kReplay, c, &bytes));
+    per_slot += bytes;
+  }
+  const std::int64_t affordable = options.memory_budget_bytes / (per_slot * batch);
+  *groups = static_cast<int>(std::clamp<std::int64_t>(affordable, 1, *groups));
+  return Status::ok();
+}
+
 // Eager and every replay precision of one shape and batch. Their timed cycles are interleaved
 // (eager, replay, eager, replay, ...) so that all of them see the same machine conditions,
 // which matters on a machine shared with other work; each one's median is over its own cycles.
@@ -311,7 +329,9 @@ Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& 
     cases[i + 1].mode = DecodeMode::kReplay;
     cases[i + 1].checkpoint = options.checkpoints[i];
   }
-  const int groups = slot_groups(shape, batch, options, min_state_bytes);
+  int groups = 1;
+  REPLAYSSM_RETURN_IF_ERROR(
+      slot_groups_within_budget(shape, batch, options, min_state_bytes, &groups));
   for (Case& c : cases) {
     c.runner = std::make_unique<CaseRunner>(shape, batch, groups, options);
     REPLAYSSM_RETURN_IF_ERROR(c.runner->init(c.mode, c.checkpoint));
@@ -343,6 +363,8 @@ Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& 
     r.buffer_len = options.buffer_len;
     r.flush = options.flush;
     r.slot_groups = groups;
+    r.stream_bytes = double(groups) * batch * double(shape.dims().state_elems()) *
+                     double(dtype_size(options.eager_state_dtype));
     r.us_per_step = median(c.us);
     r.us_min = *std::min_element(c.us.begin(), c.us.end());
     if (c.mode == DecodeMode::kReplay && options.flush == FlushPattern::kAligned &&
@@ -382,12 +404,53 @@ Status validate(const BenchOptions& o) {
 
 }  // namespace
 
+std::int64_t last_level_cache_bytes() {
+  // Each CPU lists its caches under sysfs; the highest level is the last one, and CPUs that
+  // share an instance list the same shared_cpu_list, so each instance is counted once.
+  int best_level = 0;
+  std::map<std::string, std::int64_t> instances;  // shared_cpu_list -> bytes, at best_level
+  const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned cpu = 0; cpu < cpus; ++cpu) {
+    for (int i = 0; i < 16; ++i) {
+      const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) +
+                              "/cache/index" + std::to_string(i) + "/";
+      std::ifstream level_file(dir + "level"), size_file(dir + "size"),
+          shared_file(dir + "shared_cpu_list");
+      int level = 0;
+      std::string size, shared;  // "32768K", "0-1"
+      if (!(level_file >> level) || !(size_file >> size) || size.empty()) continue;
+      if (!(shared_file >> shared)) shared = std::to_string(cpu);
+      std::int64_t bytes = std::atoll(size.c_str());
+      if (size.back() == 'K') bytes <<= 10;
+      if (size.back() == 'M') bytes <<= 20;
+      if (level < best_level) continue;
+      if (level > best_level) instances.clear();
+      best_level = level;
+      instances[shared] = std::max(instances[shared], bytes);
+    }
+  }
+  std::int64_t total = 0;
+  for (const auto& [cpus_sharing, bytes] : instances) total += bytes;
+  if (total > 0) return total;
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return l3 > 0 ? l3 : std::int64_t{32} << 20;
+}
+
+std::int64_t bench_quick_memory_budget() {
+  const std::int64_t budget = std::int64_t{2} << 30;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return budget;
+  return std::min(budget, std::int64_t{pages} * page / 4);
+}
+
 Status run_cpu_bench(const BenchOptions& options, BenchReport* report) {
   if (report == nullptr) return invalid_argument("run_cpu_bench: report is null");
   REPLAYSSM_RETURN_IF_ERROR(validate(options));
-  const std::int64_t min_state_bytes =
-      options.min_state_bytes > 0 ? options.min_state_bytes : 4 * last_level_cache_bytes();
   BenchReport out;
+  out.cache_bytes = last_level_cache_bytes();
+  const std::int64_t min_state_bytes = options.min_state_bytes > 0
+                                           ? options.min_state_bytes
+                                           : kStreamCacheMultiple * out.cache_bytes;
   out.device = "cpu (" + std::to_string(omp_get_max_threads()) + " threads)";
   if (options.progress) options.progress(0.0, "memory bandwidth");
   measure_bandwidth(&out.copy_gbps, &out.update_gbps, &out.read_gbps);

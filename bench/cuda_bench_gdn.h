@@ -26,7 +26,7 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
 ///   replay: one decode verifying T tokens (every output from the unchanged checkpoint), then a
 ///           commit of `accepted` of them (folds fall due as history accumulates);
 ///   eager spec: T sequential eager updates, each reading the state and writing a copy
-///           (issue 4's baseline: T + T state transfers; a fused eager-spec kernel would move
+///           (the baseline: T + T state transfers; a fused eager-spec kernel would move
 ///           T + 1, also reported as eager_fused_us = eager_us · (T + 1) / (2T)).
 struct GdnSpecResult {
   std::string shape;

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Everything the GPU needs checking, in one device call: build (sm_90), the CUDA tests through
-# ctest, `replayssm run --device cuda` on the golden traces against their float64 outputs, and
-# the CUDA benchmarks (protocol cases, spec verify) with JSON and plots under $OUT.
-#   run: command "scripts/device_check.sh", carry [".deps"] (nlohmann/ and CLI/ headers,
-#   copied from this machine's /usr/include: the GPU machine has no apt).
-#   DEVICE_CHECK_BENCH=0 skips the benchmarks.
+# Everything the GPU needs checking, in one run on any machine with an NVIDIA GPU: build (sm_90
+# machine code plus compute_80 PTX), the CUDA tests through ctest, `replayssm run --device cuda`
+# on the golden traces against their float64 outputs, and the CUDA benchmarks (protocol cases,
+# spec verify) with JSON and plots. Results and summary.txt go to $OUT (default: ./out).
+#   Needs: the CUDA toolkit (nvcc on PATH or in /usr/local/cuda/bin), cmake >= 3.24, g++, and
+#   the header-only libraries CLI11 and nlohmann-json: Debian's libcli11-dev and
+#   nlohmann-json3-dev, or, on a machine without apt, their headers copied into
+#   .deps/include/CLI/ and .deps/include/nlohmann/ (e.g. from another machine's /usr/include);
+#   python3 with numpy and safetensors for the golden comparison, matplotlib for the plots.
+#   Run from the repository root:  scripts/device_check.sh   (or OUT=/some/dir scripts/...)
+#   DEVICE_CHECK_BENCH=0 skips the benchmarks; DEVICE_CHECK_BATCHES=64,256 narrows them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}

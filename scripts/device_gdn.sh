@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 4 (GDN CUDA kernels) on the GPU machine, in one call: build the library, the GDN CUDA
-# tests and the CUDA benchmark sweep for the GDN shapes, run them, and leave logs and JSON
-# under $OUT.
-#   run: command "scripts/device_gdn.sh", carry [".deps"] (nlohmann/ and CLI/ headers).
+# The GDN CUDA kernels on a machine with an NVIDIA GPU, in one run: build the library, the GDN
+# CUDA tests and the CUDA benchmark sweep for the GDN shapes, run them, and leave logs and JSON
+# under $OUT (default: ./out). Needs what scripts/device_check.sh lists (CUDA toolkit, cmake,
+# g++, CLI11 and nlohmann-json from Debian or copied into .deps/include).
+#   Run from the repository root:  scripts/device_gdn.sh
 # Optional: GDN_BENCH_ARGS (e.g. "--batches 256 --L 16") narrows the sweep; GDN_SKIP_TESTS=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Mamba-2 CUDA work on a GPU machine (the device tool's `run`): build the CUDA test and bench
-# targets, run the CUDA tests, then the benchmark. Logs and JSON go to $OUT.
-#   scripts/device_mamba2.sh [test|bench|all] [bench args...]
-# Expects the header-only dependencies copied to .deps/include (nlohmann/, CLI/), carried.
+# The Mamba-2 CUDA kernels on a machine with an NVIDIA GPU: build the CUDA test and bench
+# targets, run the CUDA tests, then the benchmark. Logs and JSON go to $OUT (default: ./out).
+#   scripts/device_mamba2.sh [test|bench|all] [bench args...]   (from the repository root)
+# Needs what scripts/device_check.sh lists (CUDA toolkit, cmake, g++, CLI11 and nlohmann-json
+# from Debian or copied into .deps/include).
 set -uo pipefail
 what=${1:-all}
 shift || true

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the build needs (Debian packages) and builds replayssm into build/.
 # CUDA is built when nvcc is found (PATH or /usr/local/cuda); tests needing a GPU skip without one.
+# REPLAYSSM_ENABLE_CUDA=OFF builds CPU-only even where nvcc is installed (the CUDA kernels are
+# most of the build time); the choice stays in build/ until it is given again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,5 +24,9 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 jobs=$(nproc)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cuda_option=()
+if [ -n "${REPLAYSSM_ENABLE_CUDA:-}" ]; then
+  cuda_option=(-DREPLAYSSM_ENABLE_CUDA="$REPLAYSSM_ENABLE_CUDA")
+fi
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "${cuda_option[@]}" >/dev/null
 cmake --build build -j"$jobs"

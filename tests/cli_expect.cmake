@@ -1,12 +1,35 @@
 # Runs the replayssm tool and checks its command-line contract (ctest script, see
-# tests/CMakeLists.txt). TOOL: the executable; ARGS: its arguments joined by "|";
-# EXPECT=ok: exit 0. EXPECT=error: a non-zero exit and stderr exactly one line "error: ...",
-# which also fails a crash (no such line).
+# tests/CMakeLists.txt and tests/cli_contract.cmake). TOOL: the executable; ARGS: its arguments
+# joined by "|"; EXPECT=ok: exit 0. EXPECT=error: a non-zero exit and stderr exactly one line
+# "error: ...", which also fails a crash (no such line).
+# Optional:
+#   MATCH        a regex the error line (EXPECT=error) or stdout (EXPECT=ok) must match
+#   FSIZE_BLOCKS run under `ulimit -f FSIZE_BLOCKS` (a write past it fails, like a full disk)
+#   ABSENT       a path that must not exist afterwards (a failed write leaves no file)
+#   UNCHANGED    "file|reference": file must still be byte-identical to reference
+#   COPY         "source|destination": copied before the run (a scratch input), and then
+#   APPEND       text appended to the copy
+if(DEFINED COPY)
+  string(REPLACE "|" ";" pair "${COPY}")
+  list(GET pair 0 source)
+  list(GET pair 1 destination)
+  file(COPY_FILE "${source}" "${destination}")
+  if(DEFINED APPEND)
+    file(APPEND "${destination}" "${APPEND}")
+  endif()
+endif()
 string(REPLACE "|" ";" args "${ARGS}")
-execute_process(COMMAND "${TOOL}" ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+set(command "${TOOL}" ${args})
+if(DEFINED FSIZE_BLOCKS)
+  set(command sh -c "ulimit -f ${FSIZE_BLOCKS} && exec \"$0\" \"$@\"" ${command})
+endif()
+execute_process(COMMAND ${command} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(EXPECT STREQUAL "ok")
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "expected success, got exit '${rc}': ${err}")
+  endif()
+  if(DEFINED MATCH AND NOT out MATCHES "${MATCH}")
+    message(FATAL_ERROR "expected stdout to match '${MATCH}', got: ${out}")
   endif()
 else()
   if(rc EQUAL 0)
@@ -14,5 +37,22 @@ else()
   endif()
   if(NOT err MATCHES "^error: [^\n]+\n$")
     message(FATAL_ERROR "expected one 'error: ...' line on stderr (exit '${rc}'), got: ${err}")
+  endif()
+  if(DEFINED MATCH AND NOT err MATCHES "${MATCH}")
+    message(FATAL_ERROR "expected the error to match '${MATCH}', got: ${err}")
+  endif()
+endif()
+if(DEFINED ABSENT AND EXISTS "${ABSENT}")
+  file(REMOVE "${ABSENT}")
+  message(FATAL_ERROR "'${ABSENT}' exists: the failed run left a file behind")
+endif()
+if(DEFINED UNCHANGED)
+  string(REPLACE "|" ";" pair "${UNCHANGED}")
+  list(GET pair 0 file)
+  list(GET pair 1 reference)
+  file(SHA256 "${file}" got)
+  file(SHA256 "${reference}" want)
+  if(NOT got STREQUAL want)
+    message(FATAL_ERROR "'${file}' was changed")
   endif()
 endif()

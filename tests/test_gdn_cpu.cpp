@@ -5,8 +5,8 @@
 // Tolerances. fp32 inputs with an fp32 state/checkpoint: 1e-5 relative to max|o| (ALGORITHM.md
 // §10). bf16 inputs: the oracle is fed the same bf16-rounded inputs; what remains is fp32
 // arithmetic and the rounding of o to bf16 (up to u = 2^-8 of max|o|); the ring keeps raw k
-// with an fp32 normalisation factor, so replay adds no rounding of k̂. STYLE.md's rule bounds the error
-// by twice that of a naive loop at the same precision (testing::naive_gdn_step).
+// with an fp32 normalisation factor, so replay adds no rounding of k̂. The long-run rule bounds
+// the error by twice that of a naive loop at the same precision (testing::naive_gdn_step).
 
 #include <gtest/gtest.h>
 

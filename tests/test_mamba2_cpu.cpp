@@ -4,7 +4,7 @@
 // Tolerances. fp32 inputs with an fp32 state/checkpoint: 1e-5 relative to max|y| (ALGORITHM.md
 // §10). bf16 inputs: the oracle is fed the same bf16-rounded inputs, so what remains is fp32
 // arithmetic and the rounding of y to bf16 (up to u = 2^-8 of max|y|), plus, for a bf16/f16 eager
-// state, that state's rounding; STYLE.md's rule bounds the error by twice that of a naive loop
+// state, that state's rounding; the long-run rule bounds the error by twice that of a naive loop
 // at the same precision (testing::naive_mamba2_step), which the driver runs alongside.
 
 #include <gtest/gtest.h>

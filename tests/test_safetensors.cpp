@@ -2,7 +2,10 @@
 // error (never a crash) for each way a file can be malformed.
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -11,10 +14,19 @@
 #include <vector>
 
 #include "common/numeric.h"
+#include "io/output_file.h"
 #include "io/safetensors.h"
 
 namespace replayssm {
 namespace {
+
+// Every character printable ASCII: what error messages may send to a terminal.
+bool printable(const std::string& text) {
+  for (const char c : text) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) return false;
+  }
+  return true;
+}
 
 // A file built by hand: 8-byte length, the header text as given, then `data_bytes` bytes.
 std::vector<std::uint8_t> raw_file(const std::string& header, std::size_t data_bytes,
@@ -214,6 +226,149 @@ TEST(Safetensors, WriterRejectsInconsistentTensors) {
   const Status s = safetensors_serialize(file, &bytes);
   ASSERT_FALSE(s.is_ok());
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Safetensors, TrailingBytesAreRefused) {
+  // The reference implementation refuses data past the last tensor's end; so do we.
+  std::vector<std::uint8_t> bytes;
+  ASSERT_TRUE(safetensors_serialize(sample_file(), &bytes).is_ok());
+  SafetensorsFile file;
+  ASSERT_TRUE(safetensors_parse(bytes, &file).is_ok());
+  bytes.push_back(0);
+  expect_parse_error(bytes, StatusCode::kIoError, "1 byte follows the end of the tensors' data");
+  bytes.insert(bytes.end(), {1, 2, 3});
+  expect_parse_error(bytes, StatusCode::kIoError, "4 bytes follow");
+  // A header without tensors is followed by no data at all.
+  expect_parse_error(raw_file("{}", 3), StatusCode::kIoError, "3 bytes follow");
+  EXPECT_TRUE(safetensors_parse(raw_file("{}", 0), &file).is_ok());
+}
+
+TEST(Safetensors, ErrorsQuoteNoRawBytesFromTheFile) {
+  SafetensorsFile file;
+  // Invalid JSON holding an escape sequence, invalid UTF-8 and a long run of bytes.
+  const std::string garbage = "{\"a\": \x1b[31m\xff\xfe" + std::string(5000, 'x');
+  Status s = safetensors_parse(raw_file(garbage, 0), &file);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("invalid JSON header"), std::string::npos) << s.message();
+  EXPECT_TRUE(printable(s.message())) << s.message();
+  EXPECT_LT(s.message().size(), 200u) << s.message();
+  // Valid JSON: a tensor name holding an escape sequence (JSON's \u001b), with a bad field.
+  s = safetensors_parse(
+      raw_file(R"({"\u001b[2Jname":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}})", 4),
+      &file);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("'\\x1b[2Jname'"), std::string::npos) << s.message();
+  EXPECT_TRUE(printable(s.message())) << s.message();
+  // A name too long to quote whole, and a long offsets array.
+  s = safetensors_parse(raw_file("{\"" + std::string(1000, 'n') +
+                                     R"(":{"dtype":"F32","shape":[1],"data_offsets":[)" +
+                                     std::string(2000, '1') + "]}}",
+                                 4),
+                        &file);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_LT(s.message().size(), 300u) << s.message();
+}
+
+TEST(Safetensors, PrintableExcerpt) {
+  EXPECT_EQ(printable_excerpt("abc"), "abc");
+  EXPECT_EQ(printable_excerpt(std::string("a\x1b\n\xff", 4)), "a\\x1b\\x0a\\xff");
+  EXPECT_EQ(printable_excerpt(std::string(100, 'z'), 10), std::string(10, 'z') + "...");
+  // An escape is never cut in half.
+  EXPECT_EQ(printable_excerpt("abcdefghi\x01", 11), "abcdefghi...");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output files: a failed write leaves no file behind (or the old one untouched).
+
+// An empty directory of its own under the system's temporary directory.
+std::filesystem::path scratch_dir() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    (std::string("replayssm_") + info->name() + "_" +
+                                     std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+bool empty_dir(const std::filesystem::path& dir) {
+  return std::filesystem::directory_iterator(dir) == std::filesystem::directory_iterator();
+}
+
+SafetensorsFile file_of_bytes(std::size_t floats) {
+  SafetensorsFile file;
+  const std::vector<float> values(floats, 1.5f);
+  file.tensors["t"] = safetensors_tensor_f32({static_cast<std::int64_t>(floats)}, values);
+  return file;
+}
+
+// Runs `write` with the process's file size limit at `limit` bytes (ulimit -f): past it, a
+// write fails with EFBIG, as it would on a full disk.
+template <typename Write>
+Status with_file_size_limit(rlim_t limit, Write write) {
+  rlimit old{};
+  getrlimit(RLIMIT_FSIZE, &old);
+  rlimit low = old;
+  low.rlim_cur = limit;
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  EXPECT_EQ(setrlimit(RLIMIT_FSIZE, &low), 0);
+  const Status s = write();
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  return s;
+}
+
+TEST(OutputFile, FailedWriteLeavesNoFile) {
+  const std::filesystem::path dir = scratch_dir();
+  const std::string path = (dir / "out.safetensors").string();
+  const Status s = with_file_size_limit(
+      4096, [&] { return safetensors_write(path, file_of_bytes(16384)); });
+  ASSERT_FALSE(s.is_ok()) << "the write should have failed past the size limit";
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_NE(s.message().find(path), std::string::npos) << s.message();
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_TRUE(empty_dir(dir)) << "the temporary file was left behind";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(OutputFile, FailedWriteKeepsTheOldFile) {
+  const std::filesystem::path dir = scratch_dir();
+  const std::string path = (dir / "out.safetensors").string();
+  ASSERT_TRUE(safetensors_write(path, file_of_bytes(4)).is_ok());
+  const Status s = with_file_size_limit(
+      4096, [&] { return safetensors_write(path, file_of_bytes(16384)); });
+  ASSERT_FALSE(s.is_ok());
+  SafetensorsFile back;
+  ASSERT_TRUE(safetensors_read(path, &back).is_ok());
+  EXPECT_EQ(back.find("t")->numel(), 4) << "the old file was replaced";
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
+                          std::filesystem::directory_iterator()),
+            1);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(OutputFile, DirectoryGoneBeforeTheWrite) {
+  const std::filesystem::path dir = scratch_dir();
+  const std::string path = (dir / "out.safetensors").string();
+  ASSERT_TRUE(output_file_check(path).is_ok());
+  EXPECT_TRUE(empty_dir(dir)) << "the check must leave nothing behind";
+  std::filesystem::remove_all(dir);
+  const Status s = safetensors_write(path, file_of_bytes(16));
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_NE(s.message().find("cannot create"), std::string::npos) << s.message();
+  EXPECT_FALSE(std::filesystem::exists(dir));
+}
+
+TEST(OutputFile, RefusesADirectory) {
+  const std::filesystem::path dir = scratch_dir();
+  for (const Status& s : {output_file_check(dir.string()),
+                          safetensors_write(dir.string(), file_of_bytes(4))}) {
+    ASSERT_FALSE(s.is_ok());
+    EXPECT_NE(s.message().find("is a directory"), std::string::npos) << s.message();
+  }
+  EXPECT_TRUE(empty_dir(dir));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

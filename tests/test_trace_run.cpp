@@ -354,6 +354,39 @@ TEST(TraceErrors, WrongShape) {
                "'state0'");
 }
 
+TEST(TraceErrors, ShapeMismatchBlamesTheOddTensor) {
+  // v with Hv = 3 beside g, beta and state0 with Hv = 4: v is the odd one, not g.
+  expect_error(load_edited(kGdn,
+                           [](SafetensorsFile& f) {
+                             std::vector<float> v(24 * 2 * 3 * 8, 0.5f);
+                             f.tensors["v"] = safetensors_tensor_f32({24, 2, 3, 8}, v);
+                           }),
+               "trace tensor 'v' has shape [24, 2, 3, 8]; expected [T, batch, Hv, V] = "
+               "[24, 2, 4, 8] (Hv = 4 in 'g', 'beta', 'state0')");
+  // x with P = 9 (the golden trace has P = 8).
+  const auto widen_x = [](SafetensorsFile& f, bool with_gate) {
+    if (with_gate) f.tensors["z"] = f.tensors.at("x");
+    std::vector<float> x(24 * 2 * 4 * 9, 0.5f);
+    f.tensors["x"] = safetensors_tensor_f32({24, 2, 4, 9}, x);
+  };
+  // Beside the gate z and state0 with P = 8: x is blamed, not state0.
+  expect_error(load_edited(kMamba2, [&](SafetensorsFile& f) { widen_x(f, true); }),
+               "trace tensor 'x' has shape [24, 2, 4, 9]; expected [T, batch, H, P] = "
+               "[24, 2, 4, 8] (P = 8 in 'z', 'state0')");
+  // x and state0 alone hold P: nothing says which one is wrong, so the error names both.
+  expect_error(load_edited(kMamba2, [&](SafetensorsFile& f) { widen_x(f, false); }),
+               "trace tensors disagree on dimension P: 8 in 'state0'; 9 in 'x'");
+}
+
+TEST(TraceErrors, MetadataIsQuotedSafely) {
+  const Status s =
+      load_edited(kGdn, [](SafetensorsFile& f) {
+        f.metadata["layer"] = "\x1b[2J" + std::string(500, 'm');
+      });
+  expect_error(s, "trace metadata 'layer' is '\\x1b[2Jmmm");
+  EXPECT_LT(s.message().size(), 300u) << s.message();
+}
+
 TEST(TraceErrors, GroupsMustDivideHeads) {
   // H = 4 heads but B and C with G = 3 groups.
   expect_error(load_edited(kMamba2,

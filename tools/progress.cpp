@@ -4,17 +4,18 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <utility>
 
 namespace replayssm::tools {
 
 namespace {
-constexpr double kQuietSeconds = 2.0;
 constexpr double kTerminalInterval = 0.1;
 constexpr double kLogInterval = 10.0;
 }  // namespace
 
-Progress::Progress(std::string label)
+Progress::Progress(std::string label, double quiet_seconds)
     : label_(std::move(label)),
+      quiet_seconds_(quiet_seconds),
       terminal_(isatty(STDERR_FILENO) != 0),
       start_(Clock::now()),
       last_draw_(start_) {}
@@ -32,7 +33,7 @@ void Progress::update(double fraction, const std::string& what) {
   const auto now = Clock::now();
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   const double since_draw = std::chrono::duration<double>(now - last_draw_).count();
-  if (elapsed < kQuietSeconds) return;
+  if (elapsed < quiet_seconds_) return;
   if (drawn_ && since_draw < (terminal_ ? kTerminalInterval : kLogInterval)) return;
   last_draw_ = now;
   drawn_ = true;

@@ -1,6 +1,7 @@
 #pragma once
-// A one-line progress indicator on stderr for long runs. Quiet for the first 2 s (short runs
-// print nothing); then, on a terminal, one line redrawn in place at most 10 times a second and
+// A one-line progress indicator on stderr for long runs. Quiet for the first 2 s by default
+// (short runs print nothing; a run known to be long passes 0 to show its first line at once);
+// then, on a terminal, one line redrawn in place at most 10 times a second and
 // erased at the end; on a pipe or file, a plain line at most every 10 s, so logs stay short.
 
 #include <chrono>
@@ -10,7 +11,8 @@ namespace replayssm::tools {
 
 class Progress {
  public:
-  explicit Progress(std::string label);
+  explicit Progress(std::string label, double quiet_seconds = kDefaultQuietSeconds);
+  static constexpr double kDefaultQuietSeconds = 2.0;
   ~Progress();
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
@@ -24,6 +26,7 @@ class Progress {
  private:
   using Clock = std::chrono::steady_clock;
   std::string label_;
+  double quiet_seconds_;
   bool terminal_;
   bool drawn_ = false;
   Clock::time_point start_;

@@ -6,11 +6,11 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <cerrno>
+#include <csignal>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <new>
 #include <string>
@@ -19,9 +19,11 @@
 #include "bench.h"
 #include "demo.h"
 #include "engine/trace_run.h"
+#include "io/output_file.h"
 #include "io/trace.h"
 #include "progress.h"
 #include "replayssm/ops.h"
+#include "replayssm/state_cache.h"
 #include "replayssm/version.h"
 
 namespace replayssm::tools {
@@ -36,21 +38,66 @@ int fail(const Status& status) { return fail(status.message()); }
 
 Device default_device() { return cuda_available() ? Device::kCuda : Device::kCpu; }
 
-// Upper bound of count options (batch, L, cycles): a typo should fail here, not as an
+// Upper bound of count options (batch, cycles): a typo should fail here, not as an
 // allocation of absurd size.
 constexpr int kMaxCount = 1 << 20;
 
-// Fails early (before a long run) when `path` cannot be created; leaves no file behind.
-Status check_writable(const std::string& path) {
-  std::error_code ec;
-  const bool existed = std::filesystem::exists(path, ec);
-  std::FILE* f = std::fopen(path.c_str(), "ab");  // "a": an existing file stays intact
-  if (f == nullptr) {
-    return {StatusCode::kIoError, "cannot create '" + path + "': " + std::strerror(errno)};
+// The flag as the user knows it: "--buffer-len (-L)".
+std::string flag_text(const CLI::Option* option) {
+  std::string text = "--" + option->get_lnames().front();
+  for (const std::string& s : option->get_snames()) text += " (-" + s + ")";
+  return text;
+}
+
+// Integer options with a range: the range goes into --help, and check() tests every value
+// after parsing, before any work, with an error that names the flag as typed
+// ("--buffer-len (-L) must be in [1, 4096], got 5000").
+class RangeChecks {
+ public:
+  CLI::Option* add(CLI::Option* option, const int* value, int lo, int hi) {
+    return add(option, [value] { return std::vector<int>{*value}; }, lo, hi);
   }
-  std::fclose(f);
-  if (!existed) std::filesystem::remove(path, ec);
-  return Status::ok();
+  CLI::Option* add(CLI::Option* option, const std::vector<int>* values, int lo, int hi) {
+    return add(option, [values] { return *values; }, lo, hi);
+  }
+  [[nodiscard]] Status check() const {
+    for (const Check& c : checks_) {
+      if (c.option->count() == 0) continue;  // a default, which may stand for "chosen later"
+      for (int v : c.values()) {
+        if (v < c.lo || v > c.hi) {
+          return invalid_argument(flag_text(c.option) + " must be in [" + std::to_string(c.lo) +
+                                  ", " + std::to_string(c.hi) + "], got " + std::to_string(v));
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+ private:
+  struct Check {
+    const CLI::Option* option;
+    std::function<std::vector<int>()> values;
+    int lo, hi;
+  };
+  CLI::Option* add(CLI::Option* option, std::function<std::vector<int>()> values, int lo, int hi) {
+    option->description(option->get_description() + " [" + std::to_string(lo) + ", " +
+                        std::to_string(hi) + "]");
+    checks_.push_back({option, std::move(values), lo, hi});
+    return option;
+  }
+  std::vector<Check> checks_;
+};
+
+// `--device cuda` fails here, before any work, where the library could not run it.
+Status check_device(Device device) {
+  if (device != Device::kCuda || cuda_available()) return Status::ok();
+#if defined(REPLAYSSM_WITH_CUDA)
+  return unsupported("--device cuda: no CUDA GPU is visible to this process; use --device cpu");
+#else
+  return unsupported(
+      "--device cuda: this build has no CUDA backend (built without nvcc or with "
+      "REPLAYSSM_ENABLE_CUDA=OFF); use --device cpu");
+#endif
 }
 
 // Option values as typed on the command line, converted after parsing.
@@ -94,26 +141,33 @@ struct RunArgs {
   std::string checkpoint = "fp32";
   std::string device = device_name(default_device());
   std::string input_dtype = "f32";
+  RangeChecks ranges;
+  CLI::Option* buffer_len_option = nullptr;
+  CLI::Option* checkpoint_option = nullptr;
 };
 
 void add_run(CLI::App& app, RunArgs& a) {
   CLI::App* run = app.add_subcommand(
       "run", "Decode a layer trace (safetensors) and write its outputs and final state");
-  run->add_option("--trace", a.trace_path, "Input trace (TRACE_FORMAT.md)")->required();
+  run->add_option("--trace", a.trace_path, "Input trace (docs/TRACE_FORMAT.md)")->required();
   run->add_option("--out", a.out_path, "Output file: y or o, and state (F32)")->required();
   run->add_option("--mode", a.mode, "eager or replay")
       ->check(CLI::IsMember(keys(kModes)))
       ->capture_default_str();
-  run->add_option("--buffer-len,-L", a.buffer_len, "Replay: tokens per fold cycle (>= 1)")
-      ->capture_default_str();
-  run->add_option("--spec-tokens,-T", a.spec_tokens,
-                  "Verify window: 1 = plain decoding; T > 1 = 1 real + T-1 draft tokens")
-      ->capture_default_str();
+  a.buffer_len_option = a.ranges.add(
+      run->add_option("--buffer-len,-L", a.buffer_len, "Replay: tokens per fold cycle")
+          ->capture_default_str(),
+      &a.buffer_len, 1, kMaxBufferLen);
+  a.ranges.add(run->add_option("--spec-tokens,-T", a.spec_tokens,
+                               "Verify window: 1 = plain decoding; T > 1 = 1 real + T-1 draft "
+                               "tokens (replay)")
+                   ->capture_default_str(),
+               &a.spec_tokens, 1, kMaxSpecTokens);
   run->add_option("--accept-seed", a.accept_seed, "With T > 1: seed of the acceptance pattern")
       ->capture_default_str();
-  run->add_option("--checkpoint", a.checkpoint, "Replay checkpoint precision")
-      ->check(CLI::IsMember(checkpoint_names()))
-      ->capture_default_str();
+  a.checkpoint_option = run->add_option("--checkpoint", a.checkpoint, "Replay checkpoint precision")
+                            ->check(CLI::IsMember(checkpoint_names()))
+                            ->capture_default_str();
   run->add_option("--device", a.device, "cpu or cuda (default: cuda when a GPU is present)")
       ->check(CLI::IsMember(keys(kDevices)))
       ->capture_default_str();
@@ -123,8 +177,34 @@ void add_run(CLI::App& app, RunArgs& a) {
       ->capture_default_str();
 }
 
+// An option the chosen mode would ignore is an error: the user meant something else.
+Status check_eager_options(const RunArgs& a) {
+  if (kModes.at(a.mode) != DecodeMode::kEager) return Status::ok();
+  for (const CLI::Option* o : {a.checkpoint_option, a.buffer_len_option}) {
+    if (o->count() > 0) {
+      return invalid_argument(flag_text(o) +
+                              " applies to --mode replay only (an eager run updates the whole "
+                              "state every token: no checkpoint, no fold cycle)");
+    }
+  }
+  return Status::ok();
+}
+
+// The output must not replace the input it is computed from.
+Status check_out_is_not_trace(const RunArgs& a) {
+  std::error_code ec;
+  if (std::filesystem::equivalent(a.trace_path, a.out_path, ec) && !ec) {
+    return invalid_argument("--out '" + a.out_path + "' is the input trace (--trace '" +
+                            a.trace_path + "'); write the outputs to another file");
+  }
+  return Status::ok();
+}
+
 int do_run(const RunArgs& a) {
-  if (Status s = check_writable(a.out_path); !s.is_ok()) return fail(s);
+  if (Status s = check_device(kDevices.at(a.device)); !s.is_ok()) return fail(s);
+  if (Status s = check_eager_options(a); !s.is_ok()) return fail(s);
+  if (Status s = check_out_is_not_trace(a); !s.is_ok()) return fail(s);
+  if (Status s = output_file_check(a.out_path); !s.is_ok()) return fail(s);
   LayerTrace trace;
   if (Status s = trace_load(a.trace_path, &trace); !s.is_ok()) return fail(s);
   TraceRunOptions o;
@@ -156,20 +236,34 @@ int do_run(const RunArgs& a) {
   return 0;
 }
 
+// `bench` without --full: one shape of each layer kind at one serving batch, the plain and the
+// recommended checkpoint, few repetitions, within a memory budget: about a minute on a 2-core
+// CPU. --full: the protocol of BENCHMARKS.md.
 struct BenchArgs {
   std::string device = device_name(default_device());
-  std::vector<std::string> shapes = {"all"};
-  std::vector<int> batches = {16, 64};
+  bool full = false;
+  std::vector<std::string> shapes = {"nano4b", "qwen35-4b"};
+  std::vector<int> batches = {64};
   int buffer_len = 16;
-  std::vector<std::string> checkpoints = {"fp32", "fp32+bf16"};  // plain, and the mode to serve with
+  std::vector<std::string> checkpoints = {"fp32", "fp32+bf16"};  // plain, and the one to serve
   std::string flush = "aligned";
   std::string eager_state = "f32";
-  int repetitions = 5;
+  int repetitions = 3;
   double min_state_mb = 0.0;
   int spec_tokens = 1;
   int spec_accepted = 0;
   std::string json_path;
+  RangeChecks ranges;
+  CLI::Option* shape_option = nullptr;
+  CLI::Option* batch_option = nullptr;
+  CLI::Option* checkpoint_option = nullptr;
+  CLI::Option* repetitions_option = nullptr;
+  CLI::Option* min_state_option = nullptr;
 };
+
+const std::vector<int> kFullBatchesCpu = {16, 64};
+const std::vector<int> kFullBatchesCuda = {1, 64, 256, 1024};
+constexpr int kFullRepetitions = 5;
 
 void add_bench(CLI::App& app, BenchArgs& a) {
   CLI::App* bench = app.add_subcommand(
@@ -177,65 +271,89 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   bench->add_option("--device", a.device, "cpu or cuda (default: cuda when a GPU is present)")
       ->check(CLI::IsMember(keys(kDevices)))
       ->capture_default_str();
+  bench->add_flag("--full", a.full,
+                  "The whole protocol (docs/BENCHMARKS.md): every shape, batches 16,64 (cpu) or "
+                  "1,64,256,1024 (cuda), all four checkpoints, 5 repetitions, no memory budget; "
+                  "minutes and several GB on a small CPU. Options given explicitly still apply");
   std::vector<std::string> shape_names = {"all"};
   for (const BenchShape& s : bench_shapes()) shape_names.push_back(s.name);
-  bench->add_option("--shape", a.shapes, "Layer shapes, comma-separated, or all")
-      ->delimiter(',')
-      ->check(CLI::IsMember(shape_names))
-      ->capture_default_str();
-  bench->add_option("--batch", a.batches, "Batch sizes, comma-separated")
-      ->delimiter(',')
-      ->check(CLI::Range(1, kMaxCount))
-      ->capture_default_str();
-  bench->add_option("--buffer-len,-L", a.buffer_len, "Tokens per fold cycle")
-      ->check(CLI::Range(1, kMaxCount))
-      ->capture_default_str();
-  bench->add_option("--checkpoint", a.checkpoints, "Replay checkpoint precisions, comma-separated")
-      ->delimiter(',')
-      ->check(CLI::IsMember(checkpoint_names()))
-      ->capture_default_str();
+  a.shape_option = bench->add_option("--shape", a.shapes, "Layer shapes, comma-separated, or all")
+                       ->delimiter(',')
+                       ->check(CLI::IsMember(shape_names))
+                       ->capture_default_str();
+  a.batch_option = a.ranges.add(
+      bench->add_option("--batch", a.batches, "Batch sizes, comma-separated")
+          ->delimiter(',')
+          ->capture_default_str(),
+      &a.batches, 1, kMaxCount);
+  a.ranges.add(bench->add_option("--buffer-len,-L", a.buffer_len, "Tokens per fold cycle")
+                   ->capture_default_str(),
+               &a.buffer_len, 1, kMaxBufferLen);
+  a.checkpoint_option = bench
+                            ->add_option("--checkpoint", a.checkpoints,
+                                         "Replay checkpoint precisions, comma-separated")
+                            ->delimiter(',')
+                            ->check(CLI::IsMember(checkpoint_names()))
+                            ->capture_default_str();
   bench->add_option("--flush", a.flush, "aligned: all rows fold on one step; staggered: spread")
       ->check(CLI::IsMember(keys(kFlushPatterns)))
       ->capture_default_str();
   bench->add_option("--eager-state", a.eager_state, "State dtype of the eager baseline")
       ->check(CLI::IsMember(keys(kActivationDTypes)))
       ->capture_default_str();
-  bench->add_option("--repetitions", a.repetitions, "Timed cycles per case (median reported)")
-      ->check(CLI::Range(1, 1000))
-      ->capture_default_str();
-  bench
-      ->add_option("--min-state-mb", a.min_state_mb,
-                   "State touched per cycle, rotated over slots (0: 4 x last-level cache)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  bench
-      ->add_option("--spec-tokens,-T", a.spec_tokens,
-                   "Verify window: 1 = the protocol's plain decoding; T > 1 = replay verifying "
-                   "T tokens against eager speculative decoding, which writes a state per draft "
-                   "(Mamba-2: one fused kernel; GDN: T eager decodes). cuda only")
-      ->check(CLI::Range(1, 64))
-      ->capture_default_str();
-  bench
-      ->add_option("--spec-accepted", a.spec_accepted,
-                   "With T > 1: tokens committed per verify step (0 = all T)")
-      ->check(CLI::Range(0, 64))
-      ->capture_default_str();
+  a.repetitions_option = a.ranges.add(
+      bench->add_option("--repetitions", a.repetitions, "Timed cycles per case (median reported)")
+          ->capture_default_str(),
+      &a.repetitions, 1, 1000);
+  a.min_state_option =
+      bench
+          ->add_option("--min-state-mb", a.min_state_mb,
+                       "State touched per cycle, rotated over slots (0: 4 x the last-level "
+                       "cache, or the L2 on cuda; without --full, the CPU keeps all the "
+                       "caches of a case within 2 GiB or a quarter of memory)")
+          ->check(CLI::NonNegativeNumber)
+          ->capture_default_str();
+  a.ranges.add(bench
+                   ->add_option("--spec-tokens,-T", a.spec_tokens,
+                                "Verify window: 1 = the protocol's plain decoding; T > 1 = replay "
+                                "verifying T tokens against eager speculative decoding, which "
+                                "writes a state per draft (Mamba-2: one fused kernel; GDN: T "
+                                "eager decodes). cuda only")
+                   ->capture_default_str(),
+               &a.spec_tokens, 1, kMaxSpecTokens);
+  a.ranges.add(bench
+                   ->add_option("--spec-accepted", a.spec_accepted,
+                                "With T > 1: tokens committed per verify step (0 = all T)")
+                   ->capture_default_str(),
+               &a.spec_accepted, 0, kMaxSpecTokens);
   bench->add_option("--json", a.json_path,
                     "Also write the results as JSON (bench/plot.py draws it)");
 }
 
-int do_bench(const BenchArgs& a) {
+// --full replaces the quick defaults of the options not given explicitly.
+void apply_full(BenchArgs& a) {
+  if (a.shape_option->count() == 0) a.shapes = {"all"};
+  if (a.batch_option->count() == 0) {
+    a.batches = a.device == "cuda" ? kFullBatchesCuda : kFullBatchesCpu;
+  }
+  if (a.checkpoint_option->count() == 0) a.checkpoints = checkpoint_names();
+  if (a.repetitions_option->count() == 0) a.repetitions = kFullRepetitions;
+}
+
+int do_bench(BenchArgs& a) {
   const bool spec = a.spec_tokens > 1;
+  if (Status s = check_device(kDevices.at(a.device)); !s.is_ok()) return fail(s);
   if (spec && a.device != "cuda") {
-    return fail("--spec-tokens > 1 needs --device cuda (the CPU benchmark has no speculative "
-                "comparison)");
+    return fail("--spec-tokens (-T) > 1 needs --device cuda (the CPU benchmark has no "
+                "speculative comparison)");
   }
   if (a.spec_accepted > a.spec_tokens) {
-    return fail("--spec-accepted must be at most --spec-tokens");
+    return fail("--spec-accepted must be at most --spec-tokens (-T)");
   }
   if (!a.json_path.empty()) {
-    if (Status s = check_writable(a.json_path); !s.is_ok()) return fail(s);
+    if (Status s = output_file_check(a.json_path); !s.is_ok()) return fail(s);
   }
+  if (a.full) apply_full(a);
   BenchOptions o;
   o.device = kDevices.at(a.device);
   o.shapes.clear();
@@ -254,7 +372,10 @@ int do_bench(const BenchArgs& a) {
   o.eager_state_dtype = kActivationDTypes.at(a.eager_state);
   o.repetitions = a.repetitions;
   o.min_state_bytes = static_cast<std::int64_t>(a.min_state_mb * 1e6);
-  Progress progress("bench");
+  if (!a.full && a.min_state_option->count() == 0) {
+    o.memory_budget_bytes = bench_quick_memory_budget();
+  }
+  Progress progress("bench", 0.0);  // the first line at once: the bandwidth probe takes seconds
   o.progress = [&progress](double fraction, const std::string& what) {
     progress.update(fraction, what);
   };
@@ -268,6 +389,7 @@ int do_bench(const BenchArgs& a) {
   progress.clear();
   if (!s.is_ok()) return fail(s);
   bench_print(report, stdout);
+  if (!a.full) std::printf("(a quick run: --full runs the whole protocol, docs/BENCHMARKS.md)\n");
   if (!a.json_path.empty()) {
     if (Status w = bench_write_json(report, o, a.json_path); !w.is_ok()) return fail(w);
   }
@@ -277,30 +399,42 @@ int do_bench(const BenchArgs& a) {
 struct DemoArgs {
   std::string device = device_name(default_device());
   DemoOptions options;
+  double min_state_mb = 0.0;
+  RangeChecks ranges;
 };
 
 void add_demo(CLI::App& app, DemoArgs& a) {
   CLI::App* demo = app.add_subcommand(
       "demo",
-      "Show replay matching eager decode, and how much faster it is, on generated "
-      "traces at real layer shapes");
+      "Replay against eager decoding at real layer shapes: how far apart their outputs are, "
+      "and their speed on this machine with the state streaming from memory");
   demo->add_option("--device", a.device, "cpu or cuda (default: cuda when a GPU is present)")
       ->check(CLI::IsMember(keys(kDevices)))
       ->capture_default_str();
-  demo->add_option("--batch", a.options.batch, "Sequences")
-      ->check(CLI::Range(1, kMaxCount))
-      ->capture_default_str();
-  demo->add_option("--buffer-len,-L", a.options.buffer_len, "Tokens per fold cycle")
-      ->check(CLI::Range(1, kMaxCount))
-      ->capture_default_str();
-  demo->add_option("--cycles", a.options.cycles, "Fold cycles to decode (tokens = cycles x L)")
-      ->check(CLI::Range(1, kMaxCount))
-      ->capture_default_str();
+  a.ranges.add(demo->add_option("--batch", a.options.batch,
+                                "Sequences in the speed part (default: " +
+                                    std::to_string(kDemoBatchCpu) + " on cpu, " +
+                                    std::to_string(kDemoBatchCuda) + " on cuda)"),
+               &a.options.batch, 1, kMaxCount);
+  a.ranges.add(demo->add_option("--buffer-len,-L", a.options.buffer_len, "Tokens per fold cycle")
+                   ->capture_default_str(),
+               &a.options.buffer_len, 1, kMaxBufferLen);
+  a.ranges.add(demo->add_option("--cycles", a.options.cycles,
+                                "Fold cycles the agreement part decodes (tokens = cycles x L)")
+                   ->capture_default_str(),
+               &a.options.cycles, 1, kMaxCount);
   demo->add_option("--seed", a.options.seed, "Seed of the generated inputs")->capture_default_str();
+  demo->add_option("--min-state-mb", a.min_state_mb,
+                   "Speed part: state touched per cycle (0: 4 x the last-level cache, within "
+                   "2 GiB or a quarter of memory)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
 }
 
 int do_demo(DemoArgs& a) {
   a.options.device = kDevices.at(a.device);
+  if (Status s = check_device(a.options.device); !s.is_ok()) return fail(s);
+  a.options.min_state_bytes = static_cast<std::int64_t>(a.min_state_mb * 1e6);
   if (Status s = run_demo(a.options, stdout); !s.is_ok()) return fail(s);
   return 0;
 }
@@ -338,6 +472,12 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     return fail(std::string(e.what()) + " (see --help)");
   }
+  for (const RangeChecks* ranges : {&run_args.ranges, &bench_args.ranges, &demo_args.ranges}) {
+    if (Status s = ranges->check(); !s.is_ok()) return fail(s.message() + " (see --help)");
+  }
+  // Past a file size limit (ulimit -f) a write fails with EFBIG, reported like a full disk,
+  // instead of the signal killing the tool with a partial file.
+  std::signal(SIGXFSZ, SIG_IGN);
   // The library returns Status, but an allocation can still throw (a trace too large for the
   // host's memory): report it like any other error rather than abort.
   try {

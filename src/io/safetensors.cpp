@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "common/numeric.h"
+#include "io/output_file.h"
 
 namespace replayssm {
 
@@ -29,6 +30,7 @@ namespace {
 using json = nlohmann::json;
 
 constexpr std::size_t kLengthBytes = 8;  // the u64 header length in front of the JSON
+constexpr std::size_t kReasonChars = 120;  // the JSON parser's reason, at most
 
 struct DTypeInfo {
   const char* name;
@@ -51,7 +53,14 @@ Status out_of_memory(std::size_t file_bytes) {
           "not enough host memory for a " + std::to_string(file_bytes) + "-byte file"};
 }
 
-std::string quoted(const std::string& name) { return "'" + name + "'"; }
+// Names, keys and values from a file are quoted through printable_excerpt: a corrupt header
+// must not send raw bytes (escape sequences) to a terminal, nor a megabyte to a log line.
+std::string quoted(const std::string& name) {
+  std::string text = "'";  // appended, not "'" + ...: GCC 12 warns (-Wrestrict) on that form
+  text += printable_excerpt(name);
+  return text + "'";
+}
+std::string excerpt(const json& value) { return printable_excerpt(value.dump(-1, ' ', true)); }
 
 std::string accepted_dtypes_text() {
   std::string text;
@@ -88,7 +97,7 @@ Status parse_uint_array(const std::string& tensor, const char* field, const json
   out->clear();
   for (const json& item : value) {
     if (!item.is_number_unsigned() || item.get<std::uint64_t>() > limit) {
-      return io_error("tensor " + quoted(tensor) + ": " + field + " holds " + item.dump() +
+      return io_error("tensor " + quoted(tensor) + ": " + field + " holds " + excerpt(item) +
                       ", not an integer in [0, " + std::to_string(limit) + "]");
     }
     out->push_back(item.get<std::uint64_t>());
@@ -138,21 +147,21 @@ Status parse_entry(const std::string& name, const json& value, std::uint64_t dat
   REPLAYSSM_RETURN_IF_ERROR(parse_uint_array(name, "data_offsets", value["data_offsets"],
                                              std::numeric_limits<std::uint64_t>::max(), &offsets));
   if (offsets.size() != 2 || offsets[0] > offsets[1]) {
-    return io_error("tensor " + quoted(name) + ": data_offsets " + value["data_offsets"].dump() +
-                    " is not [begin, end] with begin <= end");
+    return io_error("tensor " + quoted(name) + ": data_offsets " +
+                    excerpt(value["data_offsets"]) + " is not [begin, end] with begin <= end");
   }
   entry->begin = offsets[0];
   entry->end = offsets[1];
   if (entry->end > data_bytes) {
-    return io_error("tensor " + quoted(name) + ": data_offsets " + value["data_offsets"].dump() +
-                    " run past the data (" + std::to_string(data_bytes) +
-                    " bytes; truncated file?)");
+    return io_error("tensor " + quoted(name) + ": data_offsets " +
+                    excerpt(value["data_offsets"]) + " run past the data (" +
+                    std::to_string(data_bytes) + " bytes; truncated file?)");
   }
   const std::uint64_t expected = numel * safetensors_dtype_size(entry->tensor.dtype);
   if (entry->end - entry->begin != expected) {
     return io_error("tensor " + quoted(name) + ": data_offsets span " +
                     std::to_string(entry->end - entry->begin) + " bytes but shape " +
-                    value["shape"].dump() + " of " + safetensors_dtype_name(entry->tensor.dtype) +
+                    excerpt(value["shape"]) + " of " + safetensors_dtype_name(entry->tensor.dtype) +
                     " needs " + std::to_string(expected));
   }
   return Status::ok();
@@ -193,7 +202,13 @@ Status parse_header(std::span<const std::uint8_t> bytes, SafetensorsFile* file,
   try {
     header = json::parse(text, text + header_bytes);
   } catch (const json::exception& e) {
-    return io_error(std::string("invalid JSON header: ") + e.what());
+    // e.what() quotes the bytes last read, which may be anything the file holds.
+    std::string reason = e.what();
+    if (const std::size_t tag_end = reason.find("] "); reason.rfind("[json.", 0) == 0 &&
+                                                      tag_end != std::string::npos) {
+      reason.erase(0, tag_end + 2);
+    }
+    return io_error("invalid JSON header: " + printable_excerpt(reason, kReasonChars));
   }
   if (!header.is_object()) return io_error("JSON header is not an object");
 
@@ -207,6 +222,20 @@ Status parse_header(std::span<const std::uint8_t> bytes, SafetensorsFile* file,
     Entry entry;
     REPLAYSSM_RETURN_IF_ERROR(parse_entry(name, value, data_bytes, &entry));
     entries->push_back(std::move(entry));
+  }
+
+  // The data ends where the last tensor ends, as the reference implementation requires:
+  // bytes past it are a damaged file (two files run together, a header rewritten shorter),
+  // and accepting them would take a file other readers refuse.
+  std::uint64_t data_end = 0;
+  for (const Entry& e : *entries) data_end = std::max(data_end, e.end);
+  if (data_end != data_bytes) {
+    const std::uint64_t extra = data_bytes - data_end;
+    return io_error(std::to_string(extra) + (extra == 1 ? " byte follows" : " bytes follow") +
+                    " the end of the tensors' data (byte " +
+                    std::to_string(*data_start + data_end) + " of " +
+                    std::to_string(bytes.size()) +
+                    "); a safetensors file ends with its last tensor");
   }
 
   // No two tensors may share bytes (gaps are harmless and allowed).
@@ -283,6 +312,18 @@ struct FileCloser {
 using FilePtr = std::unique_ptr<std::FILE, FileCloser>;
 
 }  // namespace
+
+std::string printable_excerpt(std::string_view text, std::size_t max_chars) {
+  std::string out;
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    char piece[5] = {c, '\0'};
+    if (byte < 0x20 || byte > 0x7e) std::snprintf(piece, sizeof piece, "\\x%02x", byte);
+    if (out.size() + std::strlen(piece) > max_chars) return out + "...";
+    out += piece;
+  }
+  return out;
+}
 
 const char* safetensors_dtype_name(SafetensorsDType dtype) {
   for (const DTypeInfo& info : kAcceptedDTypes) {
@@ -422,13 +463,7 @@ Status safetensors_serialize(const SafetensorsFile& file, std::vector<std::uint8
 Status safetensors_write(const std::string& path, const SafetensorsFile& file) {
   std::vector<std::uint8_t> bytes;
   REPLAYSSM_RETURN_IF_ERROR(safetensors_serialize(file, &bytes));
-  FilePtr f(std::fopen(path.c_str(), "wb"));
-  if (!f) return io_error("cannot create " + quoted(path) + ": " + std::strerror(errno));
-  if (std::fwrite(bytes.data(), 1, bytes.size(), f.get()) != bytes.size() ||
-      std::fflush(f.get()) != 0) {
-    return io_error("cannot write " + quoted(path) + ": " + std::strerror(errno));
-  }
-  return Status::ok();
+  return output_file_write(path, bytes);
 }
 
 }  // namespace replayssm

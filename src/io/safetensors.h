@@ -7,7 +7,9 @@
 ///
 /// The reader validates the whole file before it returns anything: every problem is one
 /// Status with a one-line message (kIoError for a file that is not valid safetensors,
-/// kInvalidArgument for a valid file holding a dtype we do not take). Floating-point tensors
+/// including one with bytes after its last tensor's data, which the reference implementation
+/// refuses too; kInvalidArgument for a valid file holding a dtype we do not take). Messages
+/// quote what the file holds only through printable_excerpt. Floating-point tensors
 /// (F32, F16, BF16, F64) are accepted; convert them with to_f32() / to_f64().
 
 #include <cstddef>
@@ -15,6 +17,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "replayssm/status.h"
@@ -62,9 +65,14 @@ Status safetensors_parse(std::span<const std::uint8_t> bytes, SafetensorsFile* o
 /// Reads and parses `path`; messages start with the path.
 Status safetensors_read(const std::string& path, SafetensorsFile* out);
 
+/// `text` with every byte outside printable ASCII written as \xNN, cut to at most `max_chars`
+/// characters (then "..." follows): how error messages quote anything read from a file.
+std::string printable_excerpt(std::string_view text, std::size_t max_chars = 64);
+
 /// Serialises tensors (in name order) and metadata; the header is padded with spaces so that
 /// the data starts 8-byte aligned, as the reference implementation does.
 Status safetensors_serialize(const SafetensorsFile& file, std::vector<std::uint8_t>* out);
+/// Writes through output_file_write: a failed write leaves no file (or the old one) behind.
 Status safetensors_write(const std::string& path, const SafetensorsFile& file);
 
 }  // namespace replayssm

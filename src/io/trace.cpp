@@ -131,11 +131,23 @@ std::int64_t product(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
-// Binds each named dimension to the first tensor (in table order) that has it, and checks
-// every other tensor against those bindings.
+// Where each value of a named dimension was seen: value -> tensors, in table order.
+using Sightings = std::map<std::int64_t, std::vector<std::string>>;
+
+std::string names_text(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "'" : ", '") + n + "'";
+  return s;
+}
+
+// Binds each named dimension to the value most of the tensors that have it agree on, so that a
+// mismatch blames the tensor that is off (v with Hv = 3 beside g, beta and state0 with Hv = 4
+// blames v), then checks every tensor against those bindings. Where the tensors split evenly
+// (x and state0 are the only ones with P) nothing says which one is wrong: the error names both.
 template <typename TraceT>
 Status bind_shapes(const SafetensorsFile& file, const std::vector<TensorSpec<TraceT>>& specs,
                    SymbolTable* symbols) {
+  std::map<std::string, Sightings> seen;
   for (const auto& spec : specs) {
     const SafetensorsTensor* t = file.find(spec.name);
     if (t == nullptr) continue;
@@ -150,13 +162,44 @@ Status bind_shapes(const SafetensorsFile& file, const std::vector<TensorSpec<Tra
                                           spec.dims[i] + " must be in [1, " +
                                           std::to_string(INT_MAX) + "]");
       }
-      symbols->emplace(spec.dims[i], size);  // no-op when already bound
+      std::vector<std::string>& names = seen[spec.dims[i]][size];
+      if (names.empty() || names.back() != spec.name) names.push_back(spec.name);
     }
+  }
+  std::map<std::string, bool> split_evenly;
+  for (const auto& [symbol, sightings] : seen) {
+    std::size_t best = 0, runner_up = 0;
+    for (const auto& [size, names] : sightings) {
+      if (names.size() > best) {
+        runner_up = best;
+        best = names.size();
+        (*symbols)[symbol] = size;
+      } else {
+        runner_up = std::max(runner_up, names.size());
+      }
+    }
+    split_evenly[symbol] = runner_up == best;
+  }
+  for (const auto& spec : specs) {
+    const SafetensorsTensor* t = file.find(spec.name);
+    if (t == nullptr) continue;
     const std::vector<std::int64_t> expected = resolve(spec, *symbols);
-    if (t->shape != expected) {
-      return shape_error(spec.name, "has shape " + join(t->shape) + "; expected " +
-                                        join(spec.dims) + " = " + join(expected));
+    if (t->shape == expected) continue;
+    std::size_t i = 0;
+    while (t->shape[i] == expected[i]) ++i;
+    const std::string symbol = spec.dims[i];
+    const Sightings& sightings = seen.at(symbol);
+    if (split_evenly.at(symbol)) {
+      std::string values;
+      for (const auto& [size, names] : sightings) {
+        values += (values.empty() ? "" : "; ") + std::to_string(size) + " in " + names_text(names);
+      }
+      return invalid_argument("trace tensors disagree on dimension " + symbol + ": " + values);
     }
+    return shape_error(spec.name, "has shape " + join(t->shape) + "; expected " +
+                                      join(spec.dims) + " = " + join(expected) + " (" + symbol +
+                                      " = " + std::to_string(expected[i]) + " in " +
+                                      names_text(sightings.at(expected[i])) + ")");
   }
   return Status::ok();
 }
@@ -176,8 +219,8 @@ Status load_tensors(const SafetensorsFile& file, const std::vector<TensorSpec<Tr
     if (!known) {
       std::string names;
       for (const auto& spec : specs) names += std::string(names.empty() ? "" : ", ") + spec.name;
-      return invalid_argument("trace has unexpected tensor '" + name + "'; a " + layer +
-                              " trace holds " + names);
+      return invalid_argument("trace has unexpected tensor '" + printable_excerpt(name) +
+                              "'; a " + layer + " trace holds " + names);
     }
   }
   SymbolTable symbols;
@@ -248,7 +291,7 @@ Status validate_tensors(const TraceT& trace, const std::vector<TensorSpec<TraceT
 Status parse_gdn_metadata(const std::map<std::string, std::string>& metadata, GdnTrace* t) {
   if (const auto it = metadata.find("qk_l2norm"); it != metadata.end()) {
     if (it->second != "true" && it->second != "false") {
-      return invalid_argument("trace metadata 'qk_l2norm' is '" + it->second +
+      return invalid_argument("trace metadata 'qk_l2norm' is '" + printable_excerpt(it->second) +
                               "'; expected 'true' or 'false'");
     }
     t->qk_l2norm = it->second == "true";
@@ -258,10 +301,11 @@ Status parse_gdn_metadata(const std::map<std::string, std::string>& metadata, Gd
     char* end = nullptr;
     const double scale = std::strtod(text, &end);
     if (end == text || *end != '\0') {
-      return invalid_argument("trace metadata 'scale' is '" + it->second + "', not a number");
+      return invalid_argument("trace metadata 'scale' is '" + printable_excerpt(it->second) +
+                              "', not a number");
     }
     if (!std::isfinite(scale) || scale <= 0.0) {
-      return invalid_argument("trace metadata 'scale' is " + it->second +
+      return invalid_argument("trace metadata 'scale' is " + printable_excerpt(it->second) +
                               "; it must be a finite number > 0");
     }
     t->scale = static_cast<float>(scale);
@@ -277,7 +321,7 @@ Status convert_trace(const SafetensorsFile& file, LayerTrace* out) {
     } else if (it->second == layer_kind_name(LayerKind::kGdn)) {
       trace.kind = LayerKind::kGdn;
     } else {
-      return invalid_argument("trace metadata 'layer' is '" + it->second +
+      return invalid_argument("trace metadata 'layer' is '" + printable_excerpt(it->second) +
                               "'; expected 'mamba2' or 'gdn'");
     }
   } else if (file.find("x") != nullptr) {

@@ -215,7 +215,7 @@ Status export_state(StateCache& cache, int layer, int slot, std::vector<float>* 
 
 // ---------------------------------------------------------------------------------------------
 // Naive same-precision loops: §1/§2 in fp32 with the state stored in `state_dtype` after every
-// update and the outputs rounded to `out_dtype`. STYLE.md's yardstick for long runs: a path's
+// update and the outputs rounded to `out_dtype`. The yardstick for long runs: a path's
 // error vs the oracle should be no more than about twice this loop's.
 
 void naive_mamba2_step(const Mamba2Shape& shape, DType state_dtype, DType out_dtype,
@@ -274,7 +274,7 @@ struct RunResult {
 RunResult run_mamba2(const RunSpec& spec);
 RunResult run_gdn(const RunSpec& spec);
 
-/// STYLE.md's rule for a low-precision run: the naive same-precision loop ran and really saw an
+/// The long-run rule for a low-precision run: the naive same-precision loop ran and really saw an
 /// error, and the run's error is at most twice it (+ `floor`, for errors exactly zero in both).
 void expect_within_naive(const RunResult& r, double floor);
 /// The bounds of a short fp32-input replay run by checkpoint precision, with u the unit

@@ -4,7 +4,7 @@
 // One CTA = (batch row, key head, row split). A key head's Hv/Hk value heads are consecutive
 // and their state blocks [V, K] are contiguous, so the CTA sees one matrix of G·V rows × K
 // columns and reads the key head's keys (q̂, k, ring keys) once for all G value heads: no
-// value head re-reads a shared key from memory (ALGORITHM.md §2, issue 4).
+// value head re-reads a shared key from memory (ALGORITHM.md §2).
 //
 // A state row of K ≤ 128 columns is spread over kRowLanes = 8 consecutive lanes (vec.cuh's
 // RowSplit), 16 columns per lane in 16-byte vectors: each warp-wide access covers four rows

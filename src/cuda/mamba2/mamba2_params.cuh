@@ -26,7 +26,7 @@ inline constexpr int kLanesPerRow = 8;
 inline constexpr int kRowsPerThread = 4;
 inline constexpr int kMaxHeadDim = 128;
 inline constexpr int kMaxThreads = (kMaxHeadDim / kRowsPerThread) * kLanesPerRow;  // 256
-/// The widest speculative window the CUDA replay kernel verifies (issue 3: T up to 8).
+/// The widest speculative window the CUDA replay kernel verifies (T up to 8).
 inline constexpr int kMaxWindow = 8;
 
 using Dstates = Supported<kDstate>;
