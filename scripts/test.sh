@@ -36,4 +36,7 @@ if skipped:
 print(line)
 PY
 fi
+
+# The Python package: `pip install .` into a fresh virtual environment, then its pytest suite.
+scripts/test_python.sh || status=$?
 exit "$status"
