@@ -50,12 +50,12 @@ PY
 done
 
 if [ "${DEVICE_CHECK_BENCH:-1}" = 1 ]; then
-  build-dev/tools/replayssm bench --device cuda --shape all --batch ${DEVICE_CHECK_BATCHES:-1,64,256,1024} \
+  build-dev/tools/replayssm bench --device cuda --shape all --batch ${DEVICE_CHECK_BATCHES:-1,4,16,64,256,1024} \
     --checkpoint fp32,bf16,fp32+bf16,fp32+fp8 --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
-  log "bench aligned rc=$?"
-  build-dev/tools/replayssm bench --device cuda --shape all --batch 256 --flush staggered \
-    --checkpoint fp32,bf16,fp32+bf16,fp32+fp8 --json "$OUT/bench_staggered.json" >>"$OUT/bench.txt" 2>&1
   log "bench staggered rc=$?"
+  build-dev/tools/replayssm bench --device cuda --shape all --batch 256 --flush aligned \
+    --checkpoint fp32,bf16,fp32+bf16,fp32+fp8 --json "$OUT/bench_aligned.json" >>"$OUT/bench.txt" 2>&1
+  log "bench aligned rc=$?"
   build-dev/tools/replayssm bench --device cuda --spec-tokens 4 --shape all --batch 256 \
     --checkpoint fp32,fp32+bf16 --json "$OUT/bench_spec.json" >>"$OUT/bench.txt" 2>&1
   log "bench spec rc=$?"

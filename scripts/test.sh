@@ -2,7 +2,8 @@
 # Set up and build (as scripts/setup.sh), then run the whole test suite: one CTest test per
 # test binary (a failing one is shown with its whole output), then one line that counts the
 # test cases inside them. Tests labelled `cuda` skip themselves where no GPU is present; that
-# line says how many cases skipped and why. Extra arguments go to ctest (e.g. -L cpu).
+# line says how many cases skipped and why; then the Python package in a fresh virtual
+# environment (scripts/test_python.sh). Extra arguments go to ctest (e.g. -L cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -36,4 +37,7 @@ if skipped:
 print(line)
 PY
 fi
+
+# The Python package: `pip install .` into a fresh virtual environment, then its pytest suite.
+scripts/test_python.sh || status=$?
 exit "$status"

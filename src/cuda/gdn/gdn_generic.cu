@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <string>
 
 #include "common/numeric.h"
 #include "cuda/common/cache.cuh"
@@ -207,13 +208,18 @@ __global__ void __launch_bounds__(kGenericThreads)
   const int slot = resolve_slot(l, p.in.slot_ids, b);
   if (slot < 0) return;
   const int kh = h / (d.heads / d.key_heads);
-  const std::uint32_t first = l.folded[l.layer_slot(layer, slot)];
-  const int unfolded_count = min(int(l.committed[slot] - first), l.max_history());
-  const bool fold = l.fold_due(std::uint32_t(unfolded_count), T);
+  const std::uint32_t committed = l.committed[slot];
+  const FoldCursor cursor = fold_cursor(l, fold_cursor_load(l, layer, slot), committed, T);
+  const std::uint32_t first = cursor.first;
+  // Clamped so that corrupt cursors can never index past the ring's live records.
+  const int unfolded_count = int(min(cursor.unfolded, std::uint32_t(l.max_history())));
+  const bool fold = cursor.fold;
   const Block blk{l, (l.layer_slot(layer, slot) * d.heads + h) * std::int64_t{V}};
   if (fold) {
     const Records<input_t> history{p, layer, slot, b, h, kh, unfolded_count, first};
     fold_rows(blk, history, unfolded_count, warp, lane);
+    __syncthreads();  // every thread of the block has read `folded` (and folded its rows)
+    if (threadIdx.x == 0) fold_cursor_arrive(l, layer, slot, committed, gridDim.x);
   }
   if (T == 0) return;
   __syncthreads();  // the folded rows are what the outputs read (same warp per row anyway)
@@ -269,7 +275,7 @@ __global__ void __launch_bounds__(kGenericThreads)
   // Append the window at committed..committed+T-1 (past every record read above): v, β, g of
   // this head; the raw k and its factor by the key head's first value head.
   for (int t = 0; t < T; ++t) {
-    const std::int64_t r = l.ring_record(layer, slot, l.committed[slot] + std::uint32_t(t));
+    const std::int64_t r = l.ring_record(layer, slot, committed + std::uint32_t(t));
     const std::int64_t bt = std::int64_t{b} * T + t;
     for (int row = threadIdx.x; row < V; row += kGenericThreads) {
       static_cast<input_t*>(l.ring_vec)[(r * d.heads + h) * V + row] =
@@ -364,9 +370,14 @@ Status launch_generic(StateCacheLayout& l, const ReplayWork& work, cudaStream_t 
     p.in.slot_ids = work.slot_ids;
   }
   const int layers = p.num_tokens > 0 ? 1 : work.num_layers;
+  if (l.dims.heads > kMaxFoldBlocks) {
+    return unsupported("gdn CUDA decode runs up to " + std::to_string(kMaxFoldBlocks) +
+                       " blocks per row (one per value head); the layer has " +
+                       std::to_string(l.dims.heads) + " value heads");
+  }
   const dim3 grid(static_cast<unsigned>(l.dims.heads), static_cast<unsigned>(work.batch),
                   static_cast<unsigned>(c.mode == DecodeMode::kEager ? 1 : layers));
-  REPLAYSSM_RETURN_IF_ERROR(ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
+  return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     using input_t = dtype_t<in.value>;
     if (c.mode == DecodeMode::kEager) {
       return EagerStateDTypes::dispatch(c.state_dtype, "eager state dtype", [&](auto st) {
@@ -385,13 +396,7 @@ Status launch_generic(StateCacheLayout& l, const ReplayWork& work, cudaStream_t 
     kernel<<<grid, kGenericThreads, smem, stream>>>(p);
     REPLAYSSM_CUDA_CHECK_LAUNCH("gdn generic replay kernel");
     return Status::ok();
-  }));
-  if (c.mode == DecodeMode::kEager) return Status::ok();
-  for (int layer = p.layer; layer < p.layer + layers; ++layer) {
-    REPLAYSSM_RETURN_IF_ERROR(
-        advance_folded(l, layer, work.slot_ids, work.batch, p.num_tokens, stream));
-  }
-  return Status::ok();
+  });
 }
 
 }  // namespace replayssm::cuda::gdn

@@ -47,8 +47,8 @@ Status uses_generic_kernels(const StateCacheConfig& config, bool* generic);
 /// Shared memory of a generic replay block for a window of `num_tokens` (0: a fold).
 int generic_smem_bytes(const StateCacheConfig& config, int num_tokens);
 
-/// Decode of one layer (eager or replay) or a fold of layers on the generic kernels, then the
-/// cursor moves (advance_folded).
+/// Decode of one layer (eager or replay) or a fold of layers on the generic kernels; each launch
+/// moves its own fold cursors (cursors.cuh).
 Status launch_generic(StateCacheLayout& cache, const ReplayWork& work, cudaStream_t stream);
 
 /// Eager decode of one layer (T = 1): the state is updated in place.

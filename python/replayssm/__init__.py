@@ -1,0 +1,331 @@
+"""replayssm: decoding Mamba-2 and Gated DeltaNet layers by caching SSM inputs instead of state.
+
+A :class:`StateCache` holds, for every slot (a decoding sequence) and layer, a checkpoint of the
+recurrent state and a ring of the recent tokens' SSM inputs; :func:`mamba2_decode` and
+:func:`gdn_decode` compute a step's outputs from the two, and :meth:`StateCache.commit` accepts
+the tokens of a (speculative) window. Arrays are passed through DLPack, zero-copy: NumPy arrays
+on the CPU, PyTorch (or CuPy) tensors on either device. ``replayssm.torch`` registers the ops
+with PyTorch (``torch.library``) for CUDA graphs and ``torch.compile``.
+
+Every error raises with the library's message (``ValueError`` for a bad argument,
+``NotImplementedError`` for what this build or device does not support, ``MemoryError`` for a
+full cache), and nothing is written when a call raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from importlib import metadata
+from typing import Any, NamedTuple
+
+from . import _C
+
+try:
+    __version__ = metadata.version("replayssm")
+except metadata.PackageNotFoundError:  # imported from a source tree
+    __version__ = "unknown"
+
+__all__ = [
+    "BufferSpec",
+    "CacheConfig",
+    "StateCache",
+    "cache_buffers",
+    "cuda_available",
+    "gdn_decode",
+    "mamba2_decode",
+]
+
+# Activation dtypes by the names NumPy and PyTorch give them, and the library's short ones.
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "f32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+}
+_MAMBA2_DIMS = ("num_heads", "head_dim", "state_dim", "num_groups")
+_GDN_DIMS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+
+
+def _dtype_name(dtype: Any, what: str) -> str:
+    """'float32', 'bfloat16' or 'float16' for a name, a NumPy dtype or a torch.dtype."""
+    if isinstance(dtype, str):
+        text = dtype
+    elif type(dtype).__module__ == "torch":
+        text = str(dtype).removeprefix("torch.")
+    else:
+        import numpy
+
+        text = numpy.dtype(dtype).name
+    try:
+        return _DTYPE_NAMES[text]
+    except KeyError:
+        raise ValueError(f"unsupported {what} {dtype!r}; choose float32, bfloat16 or float16") from None
+
+
+def cuda_available() -> bool:
+    """Whether this build has the CUDA backend and a usable GPU is present."""
+    return _C.cuda_available()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """What a :class:`StateCache` holds: the layer kind and shape, how many layers and slots,
+    and how the state is kept.
+
+    Mamba-2 (``kind="mamba2"``) takes ``num_heads``, ``head_dim``, ``state_dim`` and
+    ``num_groups``; Gated DeltaNet (``kind="gdn"``) takes ``num_k_heads``, ``num_v_heads``,
+    ``head_k_dim`` and ``head_v_dim``.
+
+    ``mode="replay"`` keeps a checkpoint plus a ring of recent inputs, folded every
+    ``buffer_len`` committed tokens, and verifies windows of up to ``max_spec_tokens`` tokens;
+    ``checkpoint`` picks its copies: ``"fp32"``, ``"bf16"``, ``"fp32+bf16"`` (outputs read a
+    bf16 copy, folds an fp32 master) or ``"fp32+fp8"``. ``mode="eager"`` keeps the state itself
+    in ``state_dtype`` and decodes one token at a time. ``input_dtype`` is the dtype of the
+    activations (inputs, ring and outputs). ``device`` is ``"cpu"`` or ``"cuda"`` (the current
+    CUDA device). The library checks the configuration here, and what the device's backend
+    supports when a cache is created.
+    """
+
+    kind: str
+    capacity: int
+    num_layers: int = 1
+    num_heads: int | None = None
+    head_dim: int | None = None
+    state_dim: int | None = None
+    num_groups: int | None = None
+    num_k_heads: int | None = None
+    num_v_heads: int | None = None
+    head_k_dim: int | None = None
+    head_v_dim: int | None = None
+    buffer_len: int = 16
+    max_spec_tokens: int = 1
+    checkpoint: str = "fp32"
+    mode: str = "replay"
+    input_dtype: Any = "float32"
+    state_dtype: Any = "float32"
+    device: str = "cpu"
+    _native: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        dims = {"mamba2": _MAMBA2_DIMS, "gdn": _GDN_DIMS}.get(self.kind)
+        if dims is None:
+            raise ValueError(f"unknown kind {self.kind!r}; choose 'mamba2' or 'gdn'")
+        other = _GDN_DIMS if dims is _MAMBA2_DIMS else _MAMBA2_DIMS
+        missing = [d for d in dims if getattr(self, d) is None]
+        if missing:
+            raise TypeError(f"a {self.kind} CacheConfig needs {', '.join(missing)}")
+        foreign = [d for d in other if getattr(self, d) is not None]
+        if foreign:
+            raise TypeError(f"{', '.join(foreign)} belong to the other layer kind, not {self.kind}")
+        set_ = object.__setattr__
+        set_(self, "input_dtype", _dtype_name(self.input_dtype, "input_dtype"))
+        set_(self, "state_dtype", _dtype_name(self.state_dtype, "state_dtype"))
+        d = [int(getattr(self, name)) for name in dims]
+        set_(self, "_native", _C.Config(
+            self.kind, *d, num_layers=self.num_layers, capacity=self.capacity,
+            buffer_len=self.buffer_len, max_spec_tokens=self.max_spec_tokens,
+            checkpoint=self.checkpoint, mode=self.mode, input_dtype=self.input_dtype,
+            state_dtype=self.state_dtype, device=self.device))
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """One layer's state of one slot, as load_state takes and export_state returns it:
+        Mamba-2 (num_heads, head_dim, state_dim), GDN (num_v_heads, head_v_dim, head_k_dim)."""
+        if self.kind == "mamba2":
+            return (self.num_heads, self.head_dim, self.state_dim)
+        return (self.num_v_heads, self.head_v_dim, self.head_k_dim)
+
+    @property
+    def ring_capacity(self) -> int:
+        """Ring entries per slot and layer (0 for eager caches)."""
+        return self._native.ring_capacity
+
+
+class BufferSpec(NamedTuple):
+    """One buffer of a cache configuration (see :func:`cache_buffers`)."""
+
+    name: str
+    """'state', 'ckpt_hi', 'ckpt_lo', 'ring_vec', ..., 'allocated'."""
+    dtype: str
+    """'float32', 'bfloat16', 'float16', 'float8_e4m3fn', 'uint8' or 'uint32'."""
+    shape: tuple[int, ...]
+    """Leading axes [num_layers, capacity] or [capacity]."""
+    nbytes: int
+    """Bytes the buffer needs (a caller's buffer may be larger)."""
+    alignment: int
+    """Bytes its start must be aligned to (256 for CUDA caches, 64 for CPU caches)."""
+    slot_axis: int
+    """The capacity (slot) axis: 1 for per-layer buffers, 0 for per-slot ones."""
+
+
+def cache_buffers(config: CacheConfig) -> list[BufferSpec]:
+    """Every buffer a cache of ``config`` needs, in the library's order. Slot ``s`` of every
+    buffer is index ``s`` of its slot axis, so a slot can be copied or swapped with plain
+    copies. Allocate them (any dtype: only the bytes, alignment and device matter) and pass
+    them to ``StateCache(config, buffers={name: array})`` to keep the state in your memory."""
+    return [BufferSpec(n, d, tuple(s), b, a, x) for n, d, s, b, a, x in config._native.buffers()]
+
+
+def _empty_like(x: Any) -> Any:
+    """A new array like ``x`` from ``x``'s own library (numpy, torch, cupy: its empty_like)."""
+    package = sys.modules.get(type(x).__module__.partition(".")[0])
+    empty_like = getattr(package, "empty_like", None)
+    if empty_like is None:
+        raise TypeError(f"cannot allocate an output like a {type(x).__name__}; pass out=")
+    return empty_like(x)
+
+
+class StateCache:
+    """A state cache: slots of ``config.num_layers`` layers of one kind and shape.
+
+    ``StateCache(config)`` allocates its buffers (host memory for CPU caches, device memory for
+    CUDA caches). ``StateCache(config, buffers={name: array})`` is a view over the caller's
+    arrays (see :func:`cache_buffers`), which must outlive it: an engine keeps the state in its
+    own memory pool. With ``adopt=True`` the view keeps their contents (a cache rebuilt over the
+    same memory: the allocated slots stay, with their state); otherwise it zeroes them.
+
+    ``stream`` (here and on every method): for CUDA caches, the CUDA stream to order the work
+    on, as an int (a ``cudaStream_t``) or a stream object (``torch.cuda.Stream``,
+    ``cupy.cuda.Stream``). By default, the current stream of the arrays' framework where it
+    says one (PyTorch), else CUDA's default stream. CPU caches ignore it.
+    """
+
+    def __init__(self, config: CacheConfig, buffers: dict[str, Any] | None = None, *,
+                 adopt: bool = False, stream: Any = None) -> None:
+        self.config = config
+        self._native = _C.StateCache(config._native, buffers, adopt, self._stream(stream))
+        #: name -> array over each buffer: the caller's arrays of a view; for an owning cache,
+        #: NumPy arrays over its memory (CPU; bf16 as uint16 bits, fp8 as uint8 bits) or DLPack
+        #: arrays (CUDA).
+        self.buffers: dict[str, Any] = self._native.buffer_arrays()
+        self._buffer_list = [self.buffers[spec.name] for spec in cache_buffers(config)]
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"StateCache({c.kind}, {c.mode}, device={c.device}, layers={c.num_layers}, "
+                f"capacity={c.capacity}, free={self.free_slots}, "
+                f"{'owning' if self.owns_memory else 'view'}, {self.nbytes} bytes)")
+
+    @property
+    def free_slots(self) -> int:
+        return self._native.free_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache's buffers."""
+        return self._native.nbytes
+
+    @property
+    def owns_memory(self) -> bool:
+        """True for a cache that allocated its buffers, False for a view over the caller's."""
+        return self._native.owns_memory
+
+    @property
+    def ring_capacity(self) -> int:
+        return self._native.ring_capacity
+
+    def is_allocated(self, slot: int) -> bool:
+        return self._native.is_allocated(slot)
+
+    def allocate(self, *, stream: Any = None) -> int:
+        """Takes a free slot (zero state in every layer, empty ring) and returns its id;
+        ``MemoryError`` when the cache is full."""
+        return self._native.allocate(self._stream(stream))
+
+    def claim(self, slot: int, *, stream: Any = None) -> None:
+        """Takes the given free slot (for an engine that assigns slot ids itself)."""
+        self._native.claim(slot, self._stream(stream))
+
+    def free(self, slot: int, *, stream: Any = None) -> None:
+        """Gives an allocated slot back."""
+        self._native.free(slot, self._stream(stream))
+
+    def load_state(self, layer: int, slot: int, state: Any, *, stream: Any = None) -> None:
+        """Writes a full float32 state (``config.state_shape``) into one layer of a slot (the
+        prefill hand-off): the eager state, or the checkpoint copies with an emptied ring. A
+        CUDA cache also takes host memory. The state must be finite; no uncommitted window may
+        be pending in that layer."""
+        self._native.load_state(layer, slot, state, self._array_stream(stream, state))
+
+    def export_state(self, layer: int, slot: int, out: Any = None, *, stream: Any = None) -> Any:
+        """One layer's current state of a slot as float32 ``config.state_shape`` (a replay
+        cache folds the layer's committed history first), written into ``out`` (host or, for a
+        CUDA cache, device memory) or a new array (NumPy; for a ``replayssm.torch`` cache a
+        tensor on its device); returns it."""
+        if out is None:
+            out = self._new_state()
+        self._native.export_state(layer, slot, out, self._array_stream(stream, out))
+        return out
+
+    def commit(self, slot_ids: Any, accepted: Any, *, stream: Any = None) -> None:
+        """Accepts ``accepted[b]`` of the tokens the last decode appended to row ``b``, for
+        every layer at once (int32 arrays [batch] in the cache's memory; slot id -1 is a pad
+        row). A CPU cache refuses counts beyond the window and a window some layer did not
+        decode; a CUDA cache clamps the count on the device (no host round trip)."""
+        self._native.commit(slot_ids, accepted, self._array_stream(stream, slot_ids), None)
+
+    def fold(self, slot_ids: Any, *, stream: Any = None) -> None:
+        """Folds the committed history of every layer of these slots into their checkpoints
+        now (decodes also fold by themselves once ``buffer_len`` tokens are due)."""
+        self._native.fold(slot_ids, self._array_stream(stream, slot_ids), None)
+
+    # Hooks for replayssm.torch: the stream of a call without arrays, and of one with `array`
+    # (the compiled module takes the arrays' framework's current stream by itself where the
+    # framework tells it), and the decodes (one Python call each: they are the hot path).
+    def _stream(self, stream: Any) -> Any:
+        return stream
+
+    def _array_stream(self, stream: Any, array: Any) -> Any:
+        return stream
+
+    def _empty_like(self, x: Any) -> Any:
+        return _empty_like(x)
+
+    def _new_state(self) -> Any:
+        import numpy
+
+        return numpy.empty(self.config.state_shape, numpy.float32)
+
+    def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
+        _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
+                         stream, None)
+
+    def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream):
+        _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
+                      stream, None)
+
+
+def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any, dt: Any, B: Any, C: Any,
+                  A: Any, D: Any, dt_bias: Any, z: Any = None, out: Any = None, *,
+                  stream: Any = None) -> Any:
+    """One Mamba-2 decode step of layer ``layer`` for the rows ``slot_ids`` (int32 [batch];
+    -1 = pad row, nothing written), T tokens per row (T = 1: plain decoding; T > 1: verify a
+    speculative window, then :meth:`StateCache.commit`).
+
+    Shapes (dense, row-major, on the cache's device): ``x`` and ``z`` (optional gate)
+    [batch, T, num_heads, head_dim] and ``B``, ``C`` [batch, T, num_groups, state_dim] in the
+    cache's input dtype; ``dt`` [batch, T, num_heads] raw (before bias and softplus) and ``A``
+    (< 0), ``D``, ``dt_bias`` [num_heads] in float32. Returns ``y`` [batch, T, num_heads,
+    head_dim] in the input dtype, written into ``out`` when given."""
+    if out is None:
+        out = cache._empty_like(x)
+    cache._mamba2_decode(layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream)
+    return out
+
+
+def gdn_decode(cache: StateCache, layer: int, slot_ids: Any, q: Any, k: Any, v: Any, g: Any,
+               beta: Any, scale: float | None = None, qk_l2norm: bool = True, out: Any = None, *,
+               stream: Any = None) -> Any:
+    """One Gated DeltaNet decode step of layer ``layer`` for the rows ``slot_ids`` (int32
+    [batch]; -1 = pad row), T tokens per row (as :func:`mamba2_decode`).
+
+    Shapes: ``q``, ``k`` [batch, T, num_k_heads, head_k_dim] and ``v`` [batch, T, num_v_heads,
+    head_v_dim] in the cache's input dtype; ``g`` (log-decay, <= 0) and ``beta`` (in [0, 1])
+    [batch, T, num_v_heads] in float32. ``qk_l2norm`` normalises q and k (eps 1e-6 under the
+    root); ``scale`` multiplies q after that (None: head_k_dim ** -0.5). Returns ``o``
+    [batch, T, num_v_heads, head_v_dim] in the input dtype, written into ``out`` when given."""
+    if out is None:
+        out = cache._empty_like(v)
+    cache._gdn_decode(layer, slot_ids, q, k, v, g, beta, 0.0 if scale is None else float(scale),
+                      bool(qk_l2norm), out, stream)
+    return out

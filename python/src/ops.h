@@ -1,0 +1,12 @@
+#pragma once
+// The decode ops of the Python module.
+
+#include <nanobind/nanobind.h>
+
+#include "cache.h"
+
+namespace replayssm::python {
+
+void bind_ops(nb::module_& m);
+
+}  // namespace replayssm::python

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The Python package's tests: `pip install .` into a fresh virtual environment (build-python/venv),
+# then pytest (python/tests). Without PyTorch its torch tests skip, and without a GPU its CUDA
+# tests skip.
+#   REPLAYSSM_PYTHON_CUDA=OFF (the default here) builds the package CPU-only: the C++ build has
+#   already compiled the CUDA backend, and no test can run it without a GPU. =ON builds the
+#   CUDA backend when nvcc is found, as a plain `pip install .` does.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=build-python/venv
+python=${PYTHON:-python3}
+
+if ! "$python" -m venv --clear "$venv" >/dev/null 2>&1; then
+  echo "test_python: installing python3-venv and python3-dev"
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-venv python3-dev >/dev/null
+  python=/usr/bin/python3
+  "$python" -m venv --clear "$venv"
+fi
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q pytest
+cuda=${REPLAYSSM_PYTHON_CUDA:-OFF}
+define=()
+[ "$cuda" = ON ] || define=(-C cmake.define.REPLAYSSM_ENABLE_CUDA=OFF)
+CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+  "$venv/bin/python" -m pip install -q "${define[@]}" .
+# From outside the source tree, so that `import replayssm` finds the installed package.
+(cd build-python && "$OLDPWD/$venv/bin/python" -m pytest -q "$OLDPWD/python/tests" "$@")
+"$venv/bin/python" examples/python_decode.py
