@@ -684,12 +684,12 @@ TEST(CudaCreation, RefusesWhatTheKernelsDoNotRun) {
     std::string expect;
   };
   const std::vector<Case> cases = {
-      {"gdn_head_k_dim_8",
+      {"gdn_head_k_dim_1024",
        [](auto& c) {
          c.kind = LayerKind::kGdn;
-         c.gdn.head_k_dim = 8;
+         c.gdn.head_k_dim = 1024;
        },
-       "unsupported gdn head_k_dim 8; supported: 16, 32"},
+       "unsupported gdn head_k_dim 1024; supported: 1 to 512"},
       {"f16_input", [](auto& c) { c.input_dtype = DType::kF16; }, "unsupported mamba2 input dtype f16"},
       {"mamba2_wide_window",
        [](auto& c) {
@@ -697,13 +697,13 @@ TEST(CudaCreation, RefusesWhatTheKernelsDoNotRun) {
          c.max_spec_tokens = 9;
        },
        "verifies windows of up to 8 tokens"},
-      {"gdn_long_L",
+      {"gdn_f16_eager_state",
        [](auto& c) {
          c.kind = LayerKind::kGdn;
-         c.gdn = GdnShape{2, 4, 128, 128};
-         c.buffer_len = 4000;
+         c.mode = DecodeMode::kEager;
+         c.state_dtype = DType::kF16;
        },
-       "bytes of shared memory per block"},
+       "unsupported gdn eager state dtype f16; supported: f32, bf16"},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);

@@ -373,20 +373,20 @@ TEST(GdnCuda, UnsupportedConfigsNameWhatIsSupported) {
     EXPECT_FALSE(cache);
     return st;
   };
-  StateCacheConfig k100 = replay_config(CheckpointPrecision::kFp32, 1, 1);
-  k100.gdn.head_k_dim = 100;
-  Status st = decode_status(k100);
+  // Head sizes the tuned kernels are not built for run on the generic ones (test_gdn_generic
+  // _cuda.cpp); past what a warp-held row takes, none does.
+  StateCacheConfig k1024 = replay_config(CheckpointPrecision::kFp32, 1, 1);
+  k1024.gdn.head_k_dim = 1024;
+  Status st = decode_status(k1024);
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  EXPECT_NE(st.message().find("head_k_dim 100; supported: 16, 32, 48, 64, 80, 96, 112, 128"),
-            std::string::npos)
+  EXPECT_NE(st.message().find("head_k_dim 1024; supported: 1 to 512"), std::string::npos)
       << st.message();
-
-  StateCacheConfig v256 = replay_config(CheckpointPrecision::kFp32, 1, 1);
-  v256.gdn.head_v_dim = 256;
-  st = decode_status(v256);
-  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
-  EXPECT_NE(st.message().find("head_v_dim 256; supported: 1 to 128"), std::string::npos)
-      << st.message();
+  for (GdnShape generic : {GdnShape{2, 4, 100, 16}, GdnShape{2, 4, 32, 256}}) {
+    StateCacheConfig cfg = replay_config(CheckpointPrecision::kFp32, 1, 1);
+    cfg.gdn = generic;
+    std::unique_ptr<StateCache> cache;
+    EXPECT_TRUE(state_cache_create(cfg, &cache).is_ok());
+  }
 
   StateCacheConfig f16 = replay_config(CheckpointPrecision::kFp32, 1, 1);
   f16.input_dtype = DType::kF16;

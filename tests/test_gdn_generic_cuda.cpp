@@ -44,6 +44,13 @@ TEST_P(GdnGenericCudaVsCpu, SameOutputsStatesAndCursors) {
   // terms that can reach a larger share of max|o| than at K >= 16.
   spec.output_tol = testing::side_output_tolerance(c, c.shape.head_k_dim < 16 ? 0.25 : 0.125);
   spec.state_tol = std::max(spec.output_tol, 1e-5);
+  // A shared bf16 checkpoint is the exported state itself: the CPU folds in chunk form, these
+  // kernels token by token, so an element may round to the other bf16 neighbour at each fold
+  // (one ulp, 2^-8 of max|S|, measured 3.7e-3 at K = 256) and such flips can add up over the
+  // run's folds: two ulps.
+  if (c.mode == DecodeMode::kReplay && c.checkpoint == CheckpointPrecision::kBf16) {
+    spec.state_tol = std::max(spec.state_tol, std::ldexp(1.0, -7));
+  }
   double worst = 0.0;
   ASSERT_NO_FATAL_FAILURE(testing::compare_cuda_vs_cpu(spec, &worst));
   RecordProperty("max_rel_diff", std::to_string(worst));
