@@ -44,7 +44,6 @@ constexpr int kMinRepetitions = 7;
 
 // ---- small RAII helpers ------------------------------------------------------------------
 
-using bench_cuda::DeviceBuffer;
 using bench_cuda::GraphExec;
 using bench_cuda::OwnedStream;
 using bench_cuda::time_graph;
@@ -60,8 +59,8 @@ Status measure_copy_gbps(double* gbps) {
   }
   constexpr std::size_t kBytes = std::size_t{1} << 30;
   DeviceBuffer src, dst;
-  REPLAYSSM_RETURN_IF_ERROR(src.alloc(kBytes));
-  REPLAYSSM_RETURN_IF_ERROR(dst.alloc(kBytes));
+  REPLAYSSM_RETURN_IF_ERROR(src.allocate(Device::kCuda, kBytes));
+  REPLAYSSM_RETURN_IF_ERROR(dst.allocate(Device::kCuda, kBytes));
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemset(src.get(), 1, kBytes));
   cudaEvent_t start, stop;
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
@@ -129,10 +128,10 @@ Status make_inputs(const BenchShape& shape, int batch, int T, DType act, Inputs*
   };
   for (int s = 0; s < kInputSets; ++s) {
     DeviceBuffer x, B, C, dt;
-    REPLAYSSM_RETURN_IF_ERROR(x.upload(activations_pack(act, normals(vec, 1.0f))));
-    REPLAYSSM_RETURN_IF_ERROR(B.upload(activations_pack(act, normals(key, 1.0f))));
-    REPLAYSSM_RETURN_IF_ERROR(C.upload(activations_pack(act, normals(key, 1.0f))));
-    REPLAYSSM_RETURN_IF_ERROR(dt.upload(normals(head, 0.5f)));  // raw dt
+    REPLAYSSM_RETURN_IF_ERROR(x.assign(Device::kCuda, activations_pack(act, normals(vec, 1.0f))));
+    REPLAYSSM_RETURN_IF_ERROR(B.assign(Device::kCuda, activations_pack(act, normals(key, 1.0f))));
+    REPLAYSSM_RETURN_IF_ERROR(C.assign(Device::kCuda, activations_pack(act, normals(key, 1.0f))));
+    REPLAYSSM_RETURN_IF_ERROR(dt.assign(Device::kCuda, normals(head, 0.5f)));  // raw dt
     in->x.push_back(std::move(x));
     in->B.push_back(std::move(B));
     in->C.push_back(std::move(C));
@@ -145,10 +144,10 @@ Status make_inputs(const BenchShape& shape, int batch, int T, DType act, Inputs*
     const float delta0 = std::exp(std::log(1e-3f) + uni(rng) * (std::log(0.1f) - std::log(1e-3f)));
     dt_bias[h] = std::log(std::expm1(delta0));
   }
-  REPLAYSSM_RETURN_IF_ERROR(in->A.upload(A));
-  REPLAYSSM_RETURN_IF_ERROR(in->D.upload(D));
-  REPLAYSSM_RETURN_IF_ERROR(in->dt_bias.upload(dt_bias));
-  return in->out.alloc(vec * dtype_size(act));
+  REPLAYSSM_RETURN_IF_ERROR(in->A.assign(Device::kCuda, A));
+  REPLAYSSM_RETURN_IF_ERROR(in->D.assign(Device::kCuda, D));
+  REPLAYSSM_RETURN_IF_ERROR(in->dt_bias.assign(Device::kCuda, dt_bias));
+  return in->out.allocate(Device::kCuda, vec * dtype_size(act));
 }
 
 // ---- one timed case ----------------------------------------------------------------------
@@ -175,10 +174,11 @@ class CaseRunner {
       }
       host_ids_.push_back(ids);
       DeviceBuffer buf;
-      REPLAYSSM_RETURN_IF_ERROR(buf.upload(ids));
+      REPLAYSSM_RETURN_IF_ERROR(buf.assign(Device::kCuda, ids));
       ids_.push_back(std::move(buf));
     }
-    return accepted_.upload(std::vector<std::int32_t>(std::size_t(batch_), accepted));
+    return accepted_.assign(Device::kCuda,
+                            std::vector<std::int32_t>(std::size_t(batch_), accepted));
   }
 
   // Staggered flushes: row b is pre-advanced by b mod L tokens (padding the others), so that
@@ -191,7 +191,7 @@ class CaseRunner {
           if (b % buffer_len <= j) ids[std::size_t(b)] = -1;
         }
         DeviceBuffer buf;
-        REPLAYSSM_RETURN_IF_ERROR(buf.upload(ids));
+        REPLAYSSM_RETURN_IF_ERROR(buf.assign(Device::kCuda, ids));
         REPLAYSSM_RETURN_IF_ERROR(step(buf.get<const std::int32_t>(), j % kInputSets));
       }
       REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -447,7 +447,7 @@ Status time_eager_spec(const BenchShape& shape, int batch, int T, const BenchOpt
   const int groups = slot_groups(row_bytes, batch, min_state_bytes);
   std::vector<DeviceBuffer> states(static_cast<std::size_t>(groups));
   for (DeviceBuffer& s : states) {
-    REPLAYSSM_RETURN_IF_ERROR(s.alloc(std::size_t(row_bytes) * batch));
+    REPLAYSSM_RETURN_IF_ERROR(s.allocate(Device::kCuda, std::size_t(row_bytes) * batch));
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemset(s.get(), 0, std::size_t(row_bytes) * batch));
   }
   OwnedStream stream;

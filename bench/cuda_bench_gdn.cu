@@ -26,7 +26,6 @@ namespace replayssm {
 
 namespace {
 
-using bench_cuda::DeviceBuffer;
 using bench_cuda::GraphExec;
 using bench_cuda::OwnedStream;
 using bench_cuda::time_graph;
@@ -86,11 +85,11 @@ Status make_inputs(const GdnShape& s, int batch, int T, DType act, std::uint64_t
     g[i] = float(-a[h] * sp);
     beta[i] = float(1.0 / (1.0 + std::exp(-rng.normal())));
   }
-  REPLAYSSM_RETURN_IF_ERROR(out->q.upload(activations_pack(act, q)));
-  REPLAYSSM_RETURN_IF_ERROR(out->k.upload(activations_pack(act, k)));
-  REPLAYSSM_RETURN_IF_ERROR(out->v.upload(activations_pack(act, v)));
-  REPLAYSSM_RETURN_IF_ERROR(out->g.upload(g));
-  REPLAYSSM_RETURN_IF_ERROR(out->beta.upload(beta));
+  REPLAYSSM_RETURN_IF_ERROR(out->q.assign(Device::kCuda, activations_pack(act, q)));
+  REPLAYSSM_RETURN_IF_ERROR(out->k.assign(Device::kCuda, activations_pack(act, k)));
+  REPLAYSSM_RETURN_IF_ERROR(out->v.assign(Device::kCuda, activations_pack(act, v)));
+  REPLAYSSM_RETURN_IF_ERROR(out->g.assign(Device::kCuda, g));
+  REPLAYSSM_RETURN_IF_ERROR(out->beta.assign(Device::kCuda, beta));
   return Status::ok();
 }
 
@@ -139,10 +138,11 @@ class CaseRunner {
       }
       host_groups_.push_back(ids);
       groups_.emplace_back();
-      REPLAYSSM_RETURN_IF_ERROR(groups_.back().upload(ids));
+      REPLAYSSM_RETURN_IF_ERROR(groups_.back().assign(Device::kCuda, ids));
     }
     REPLAYSSM_RETURN_IF_ERROR(
-        accepted_.upload(std::vector<std::int32_t>(std::size_t(c_.batch), c_.accepted)));
+        accepted_.assign(Device::kCuda,
+                         std::vector<std::int32_t>(std::size_t(c_.batch), c_.accepted)));
     const int T = decode_tokens();
     for (int i = 0; i < kInputSets; ++i) {
       inputs_.emplace_back();
@@ -151,7 +151,7 @@ class CaseRunner {
     }
     const std::size_t out_bytes = std::size_t(c_.batch) * T * c_.shape.num_v_heads *
                                   c_.shape.head_v_dim * dtype_size(c_.input_dtype);
-    return out_.alloc(out_bytes);
+    return out_.allocate(Device::kCuda, out_bytes);
   }
 
   /// Staggered flushes: row b is pre-advanced by b mod L tokens (the others padded), so that
@@ -165,7 +165,7 @@ class CaseRunner {
           if (b % L <= j) masked[std::size_t(b)] = -1;
         }
         DeviceBuffer d;
-        REPLAYSSM_RETURN_IF_ERROR(d.upload(masked));
+        REPLAYSSM_RETURN_IF_ERROR(d.assign(Device::kCuda, masked));
         REPLAYSSM_RETURN_IF_ERROR(step(d.get<std::int32_t>(), j % kInputSets));
         REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
       }

@@ -24,7 +24,6 @@ namespace replayssm {
 
 namespace {
 
-using bench_cuda::DeviceBuffer;
 using bench_cuda::GraphExec;
 using bench_cuda::OwnedStream;
 using bench_cuda::time_graph;
@@ -106,10 +105,10 @@ Status bench_case(const BenchShape& shape, CheckpointPrecision checkpoint,
     dst[std::size_t(i)] = o.batch + i;
   }
   DeviceBuffer src_ids, dst_ids, positions, states, copy_from;
-  REPLAYSSM_RETURN_IF_ERROR(src_ids.upload(src));
-  REPLAYSSM_RETURN_IF_ERROR(dst_ids.upload(dst));
-  REPLAYSSM_RETURN_IF_ERROR(states.alloc(std::size_t(b * E * 4)));
-  REPLAYSSM_RETURN_IF_ERROR(copy_from.alloc(std::size_t(b * E * 4)));
+  REPLAYSSM_RETURN_IF_ERROR(src_ids.assign(Device::kCuda, src));
+  REPLAYSSM_RETURN_IF_ERROR(dst_ids.assign(Device::kCuda, dst));
+  REPLAYSSM_RETURN_IF_ERROR(states.allocate(Device::kCuda, std::size_t(b * E * 4)));
+  REPLAYSSM_RETURN_IF_ERROR(copy_from.allocate(Device::kCuda, std::size_t(b * E * 4)));
 
   double copy_gbps = 0.0;  // the state copy's, measured first
   auto add = [&](const char* op, int k, double us, double bytes, double deferred) {
@@ -143,7 +142,7 @@ Status bench_case(const BenchShape& shape, CheckpointPrecision checkpoint,
   for (int k : {0, o.buffer_len / 2, o.buffer_len - 1}) {
     REPLAYSSM_RETURN_IF_ERROR(set_cursors(*cache, o.batch, k));
     std::vector<std::uint32_t> at(src.size(), kFolded + std::uint32_t(k));
-    REPLAYSSM_RETURN_IF_ERROR(positions.upload(at));
+    REPLAYSSM_RETURN_IF_ERROR(positions.assign(Device::kCuda, at));
     double us = 0.0;
     REPLAYSSM_RETURN_IF_ERROR(time_op(stream, o.repetitions, [&](cudaStream_t s) {
       MaterializeArgs a;

@@ -8,44 +8,14 @@
 #include <cstddef>
 #include <vector>
 
+#include "common/device_buffer.h"
 #include "cuda/common/check.cuh"
 #include "replayssm/status.h"
 
 namespace replayssm::bench_cuda {
 
-/// Device memory owned by the benchmark, zeroed when allocated.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
-  }
-  Status alloc(std::size_t bytes) {
-    bytes = std::max<std::size_t>(bytes, 16);
-    if (ptr_ == nullptr) REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemset(ptr_, 0, bytes));
-    return Status::ok();
-  }
-  Status upload(const void* host, std::size_t bytes) {
-    if (ptr_ == nullptr) REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, std::max<std::size_t>(bytes, 16)));
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
-    return Status::ok();
-  }
-  template <typename T>
-  Status upload(const std::vector<T>& v) {
-    return upload(v.data(), v.size() * sizeof(T));
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
+/// Device memory owned by the benchmark (the library's DeviceBuffer, on the GPU).
+using replayssm::DeviceBuffer;
 
 /// A non-blocking stream of the benchmark's own (capturable into a graph).
 struct OwnedStream {

@@ -21,6 +21,7 @@
 
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "testing/require_gpu.h"
 #include "testing/cuda_test_util.h"
 #include "testing/side_case.h"
 #include "testing/test_util.h"
@@ -30,9 +31,6 @@ namespace {
 
 using testing::Recipe;
 using testing::Rng;
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU"
 
 const Mamba2Shape kMamba2Small{4, 16, 128, 2};
 const Mamba2Shape kMamba2Generic{6, 20, 64, 3};  // dstate 64: the generic kernels

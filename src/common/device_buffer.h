@@ -1,7 +1,7 @@
 #pragma once
 // Memory on a cache's device (host memory for CPU caches, device memory for CUDA ones), owned
 // and freed on scope exit: what the trace engine, the benches and the tests allocate for a
-// decode's inputs and outputs. Built on backend.h's memory functions, so the same code serves
+// decode's inputs and outputs (the tests wrap it to throw, testing/device_buffer.h). Built on backend.h's memory functions, so the same code serves
 // both backends; every operation returns a Status.
 
 #include <cstddef>
@@ -36,9 +36,15 @@ class DeviceBuffer {
     bytes_ = bytes;
     return memory_alloc(device, bytes == 0 ? 1 : bytes, &ptr_);
   }
-  /// Copies bytes() from the host.
-  Status upload(const void* host) { return memory_from_host(device_, ptr_, host, bytes_); }
-  Status download(void* host) const { return memory_to_host(device_, host, ptr_, bytes_); }
+  /// Copies bytes() (or the first `n`) from / to the host.
+  Status upload(const void* host) { return upload(host, bytes_); }
+  Status upload(const void* host, std::size_t n) {
+    return memory_from_host(device_, ptr_, host, n);
+  }
+  Status download(void* host) const { return download(host, bytes_); }
+  Status download(void* host, std::size_t n) const {
+    return memory_to_host(device_, host, ptr_, n);
+  }
   /// Allocates `v`'s size and copies it in.
   template <typename T>
   Status assign(Device device, const std::vector<T>& v) {

@@ -1,12 +1,13 @@
 #pragma once
 // Memory a test owns in a cache's memory space: host memory for CPU caches, device memory for
-// CUDA ones (through the library's own allocation calls, so the helper library needs no CUDA
-// runtime). Decode calls, commit lists and the like are uploaded into it.
+// CUDA ones: the library's DeviceBuffer (common/device_buffer.h), with errors thrown, as a
+// test's setup wants. Decode calls, commit lists and the like are uploaded into it.
 
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "common/device_buffer.h"
 #include "replayssm/status.h"
 #include "replayssm/types.h"
 
@@ -20,11 +21,6 @@ class CacheBuffer {
  public:
   CacheBuffer() = default;
   CacheBuffer(Device device, std::size_t bytes);
-  ~CacheBuffer();
-  CacheBuffer(CacheBuffer&& o) noexcept;
-  CacheBuffer& operator=(CacheBuffer&& o) noexcept;
-  CacheBuffer(const CacheBuffer&) = delete;
-  CacheBuffer& operator=(const CacheBuffer&) = delete;
 
   static CacheBuffer from_host(Device device, const void* data, std::size_t bytes);
   template <typename T>
@@ -35,17 +31,15 @@ class CacheBuffer {
   void download(void* data, std::size_t bytes) const;
   std::vector<std::uint8_t> bytes() const;
 
-  void* get() const { return ptr_; }
+  void* get() const { return buffer_.get(); }
   template <typename T>
   T* as() const {
-    return static_cast<T*>(ptr_);
+    return buffer_.get<T>();
   }
-  std::size_t size() const { return size_; }
+  std::size_t size() const { return buffer_.bytes(); }
 
  private:
-  Device device_ = Device::kCpu;
-  void* ptr_ = nullptr;
-  std::size_t size_ = 0;
+  DeviceBuffer buffer_;
 };
 
 }  // namespace replayssm::testing
