@@ -71,15 +71,7 @@ class GdnCudaVsCpu : public ::testing::TestWithParam<SideCase> {};
 TEST_P(GdnCudaVsCpu, SameOutputsStatesAndCursors) {
   SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
-  testing::CudaVsCpuSpec spec;
-  spec.config = side_config(c);
-  spec.batch = c.batch;
-  spec.steps = c.steps;
-  spec.stagger = c.stagger;
-  spec.seed = 23;
-  spec.load_initial = c.load_initial;
-  spec.initial_sd = 0.05;
-  spec.qk_l2norm = c.qk_l2norm;
+  testing::CudaVsCpuSpec spec = testing::side_spec(c, 23, 0.05);
   spec.output_tol = output_tolerance(c);
   spec.state_tol = std::max(spec.output_tol, 1e-5);
   double worst = 0.0;

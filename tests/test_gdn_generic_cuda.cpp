@@ -31,15 +31,7 @@ class GdnGenericCudaVsCpu : public ::testing::TestWithParam<SideCase> {};
 TEST_P(GdnGenericCudaVsCpu, SameOutputsStatesAndCursors) {
   SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
-  testing::CudaVsCpuSpec spec;
-  spec.config = testing::side_config(c);
-  spec.batch = c.batch;
-  spec.steps = c.steps;
-  spec.stagger = c.stagger;
-  spec.seed = 29;
-  spec.load_initial = c.load_initial;
-  spec.initial_sd = 0.05;
-  spec.qk_l2norm = c.qk_l2norm;
+  testing::CudaVsCpuSpec spec = testing::side_spec(c, 29, 0.05);
   // fp8: a flipped code moves one term of a K-term dot product by 2^-3 of itself; with K = 8
   // terms that can reach a larger share of max|o| than at K >= 16.
   spec.output_tol = testing::side_output_tolerance(c, c.shape.head_k_dim < 16 ? 0.25 : 0.125);

@@ -67,14 +67,7 @@ class Mamba2CudaVsCpu : public ::testing::TestWithParam<SideCase> {};
 TEST_P(Mamba2CudaVsCpu, SameOutputsStatesAndCursors) {
   SKIP_WITHOUT_GPU();
   const SideCase c = GetParam();
-  testing::CudaVsCpuSpec spec;
-  spec.config = side_config(c);
-  spec.batch = c.batch;
-  spec.steps = c.steps;
-  spec.stagger = c.stagger;
-  spec.seed = 17;
-  spec.load_initial = c.load_initial;
-  spec.initial_sd = 0.5;
+  testing::CudaVsCpuSpec spec = testing::side_spec(c, 17, 0.5);
   spec.gate = true;
   spec.output_tol = output_tolerance(c);
   spec.state_tol = state_tolerance(c);

@@ -98,6 +98,22 @@ StateCacheConfig side_config(const SideCase<Shape>& c) {
   return cfg;
 }
 
+/// The CUDA-vs-CPU run of a case (cache, rows, steps, staggering, initial state drawn with
+/// `seed` and N(0, initial_sd)); the tolerances are the caller's, per family.
+template <typename Shape>
+CudaVsCpuSpec side_spec(const SideCase<Shape>& c, std::uint64_t seed, double initial_sd) {
+  CudaVsCpuSpec spec;
+  spec.config = side_config(c);
+  spec.batch = c.batch;
+  spec.steps = c.steps;
+  spec.stagger = c.stagger;
+  spec.seed = seed;
+  spec.load_initial = c.load_initial;
+  spec.initial_sd = initial_sd;
+  spec.qk_l2norm = c.qk_l2norm;
+  return spec;
+}
+
 /// max|out_cuda − out_cpu| / max|out_cpu| allowed per call (the tests' headers say why):
 /// 8e-3 for bf16 outputs, else 1e-4; at least 2e-3 with a bf16 state or read copy; `fp8` for
 /// an fp8 read copy.
