@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/layer_kind.h"
 #include "replayssm/status.h"
 #include "replayssm/types.h"
 
@@ -27,7 +28,7 @@ struct BenchShape {
   Mamba2Shape mamba2;
   GdnShape gdn;
   [[nodiscard]] StateDims dims() const {
-    return kind == LayerKind::kMamba2 ? state_dims(mamba2) : state_dims(gdn);
+    return visit_kind(kind, [&] { return state_dims(mamba2); }, [&] { return state_dims(gdn); });
   }
 };
 

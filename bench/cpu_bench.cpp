@@ -189,70 +189,82 @@ class CaseRunner {
     o.mamba2_gate = false;  // serving kernels apply the gate in the following norm, not here
     LayerTrace trace;
     const DType act = options_.input_dtype;
-    if (shape_.kind == LayerKind::kMamba2) {
-      REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_mamba2(shape_.mamba2, o, &trace));
-      const Mamba2Trace& t = trace.mamba2;
-      const std::int64_t vec = std::int64_t{batch_} * t.shape.nheads * t.shape.head_dim;
-      const std::int64_t key = std::int64_t{batch_} * t.shape.ngroups * t.shape.dstate;
-      const std::int64_t head = std::int64_t{batch_} * t.shape.nheads;
-      for (int i = 0; i < kInputSets; ++i) {
-        StepInputs in;
-        in.vec = activations_pack(act, step_slice(t.x, i, vec));
-        in.key_a = activations_pack(act, step_slice(t.B, i, key));
-        in.key_b = activations_pack(act, step_slice(t.C, i, key));
-        in.head_a = step_slice(t.dt, i, head);
-        inputs_.push_back(std::move(in));
-      }
-      A_ = t.A;
-      D_ = t.D;
-      dt_bias_ = t.dt_bias;
-    } else {
-      REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_gdn(shape_.gdn, o, &trace));
-      const GdnTrace& t = trace.gdn;
-      const std::int64_t vec = std::int64_t{batch_} * t.shape.num_v_heads * t.shape.head_v_dim;
-      const std::int64_t key = std::int64_t{batch_} * t.shape.num_k_heads * t.shape.head_k_dim;
-      const std::int64_t head = std::int64_t{batch_} * t.shape.num_v_heads;
-      for (int i = 0; i < kInputSets; ++i) {
-        StepInputs in;
-        in.vec = activations_pack(act, step_slice(t.v, i, vec));
-        in.key_a = activations_pack(act, step_slice(t.q, i, key));
-        in.key_b = activations_pack(act, step_slice(t.k, i, key));
-        in.head_a = step_slice(t.g, i, head);
-        in.head_b = step_slice(t.beta, i, head);
-        inputs_.push_back(std::move(in));
-      }
-    }
+    REPLAYSSM_RETURN_IF_ERROR(visit_kind(
+        shape_.kind,
+        [&]() -> Status {
+          REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_mamba2(shape_.mamba2, o, &trace));
+          const Mamba2Trace& t = trace.mamba2;
+          const std::int64_t vec = std::int64_t{batch_} * t.shape.nheads * t.shape.head_dim;
+          const std::int64_t key = std::int64_t{batch_} * t.shape.ngroups * t.shape.dstate;
+          const std::int64_t head = std::int64_t{batch_} * t.shape.nheads;
+          for (int i = 0; i < kInputSets; ++i) {
+            StepInputs in;
+            in.vec = activations_pack(act, step_slice(t.x, i, vec));
+            in.key_a = activations_pack(act, step_slice(t.B, i, key));
+            in.key_b = activations_pack(act, step_slice(t.C, i, key));
+            in.head_a = step_slice(t.dt, i, head);
+            inputs_.push_back(std::move(in));
+          }
+          A_ = t.A;
+          D_ = t.D;
+          dt_bias_ = t.dt_bias;
+          return Status::ok();
+        },
+        [&]() -> Status {
+          REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_gdn(shape_.gdn, o, &trace));
+          const GdnTrace& t = trace.gdn;
+          const std::int64_t vec =
+              std::int64_t{batch_} * t.shape.num_v_heads * t.shape.head_v_dim;
+          const std::int64_t key =
+              std::int64_t{batch_} * t.shape.num_k_heads * t.shape.head_k_dim;
+          const std::int64_t head = std::int64_t{batch_} * t.shape.num_v_heads;
+          for (int i = 0; i < kInputSets; ++i) {
+            StepInputs in;
+            in.vec = activations_pack(act, step_slice(t.v, i, vec));
+            in.key_a = activations_pack(act, step_slice(t.q, i, key));
+            in.key_b = activations_pack(act, step_slice(t.k, i, key));
+            in.head_a = step_slice(t.g, i, head);
+            in.head_b = step_slice(t.beta, i, head);
+            inputs_.push_back(std::move(in));
+          }
+          return Status::ok();
+        }));
     return Status::ok();
   }
 
   // One decode of `batch` rows plus the commit of one token each.
   Status step(const std::vector<std::int32_t>& slot_ids, int input_set) {
     const StepInputs& in = inputs_[static_cast<std::size_t>(input_set)];
-    if (shape_.kind == LayerKind::kMamba2) {
-      Mamba2DecodeArgs a;
-      a.batch = batch_;
-      a.slot_ids = slot_ids.data();
-      a.x = in.vec.data();
-      a.dt = in.head_a.data();
-      a.B = in.key_a.data();
-      a.C = in.key_b.data();
-      a.A = A_.data();
-      a.D = D_.data();
-      a.dt_bias = dt_bias_.data();
-      a.y = out_.data();
-      REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
-    } else {
-      GdnDecodeArgs a;
-      a.batch = batch_;
-      a.slot_ids = slot_ids.data();
-      a.q = in.key_a.data();
-      a.k = in.key_b.data();
-      a.v = in.vec.data();
-      a.g = in.head_a.data();
-      a.beta = in.head_b.data();
-      a.o = out_.data();
-      REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
-    }
+    REPLAYSSM_RETURN_IF_ERROR(visit_kind(
+        shape_.kind,
+        [&]() -> Status {
+          Mamba2DecodeArgs a;
+          a.batch = batch_;
+          a.slot_ids = slot_ids.data();
+          a.x = in.vec.data();
+          a.dt = in.head_a.data();
+          a.B = in.key_a.data();
+          a.C = in.key_b.data();
+          a.A = A_.data();
+          a.D = D_.data();
+          a.dt_bias = dt_bias_.data();
+          a.y = out_.data();
+          REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
+          return Status::ok();
+        },
+        [&]() -> Status {
+          GdnDecodeArgs a;
+          a.batch = batch_;
+          a.slot_ids = slot_ids.data();
+          a.q = in.key_a.data();
+          a.k = in.key_b.data();
+          a.v = in.vec.data();
+          a.g = in.head_a.data();
+          a.beta = in.head_b.data();
+          a.o = out_.data();
+          REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
+          return Status::ok();
+        }));
     CommitArgs commit;
     commit.batch = batch_;
     commit.slot_ids = slot_ids.data();

@@ -47,7 +47,11 @@ const char* dtype_name(DType dtype) {
 
 const char* device_name(Device device) { return device == Device::kCpu ? "cpu" : "cuda"; }
 const char* layer_kind_name(LayerKind kind) {
-  return kind == LayerKind::kMamba2 ? "mamba2" : "gdn";
+  switch (kind) {
+    case LayerKind::kMamba2: return "mamba2";
+    case LayerKind::kGdn: return "gdn";
+  }
+  return "?";
 }
 const char* decode_mode_name(DecodeMode mode) {
   return mode == DecodeMode::kEager ? "eager" : "replay";

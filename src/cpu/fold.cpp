@@ -354,10 +354,13 @@ void fold_heads(const StateCacheLayout& l, int layer, int slot, int head_begin, 
   if (count == 0) return;
   dispatch_activation(l.config.input_dtype, [&](auto tag) {
     using input_t = typename decltype(tag)::type;
-    if (l.config.kind == LayerKind::kMamba2) {
-      fold_heads_mamba2<input_t>(l, layer, slot, head_begin, head_end, first, count);
-    } else {
-      fold_heads_gdn<input_t>(l, layer, slot, head_begin, head_end, first, count);
+    switch (l.config.kind) {
+      case LayerKind::kMamba2:
+        fold_heads_mamba2<input_t>(l, layer, slot, head_begin, head_end, first, count);
+        return;
+      case LayerKind::kGdn:
+        fold_heads_gdn<input_t>(l, layer, slot, head_begin, head_end, first, count);
+        return;
     }
   });
 }

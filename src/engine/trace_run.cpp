@@ -15,6 +15,7 @@
 
 #include "backend.h"
 #include "common/device_buffer.h"
+#include "common/layer_kind.h"
 #include "engine/activations.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
@@ -63,23 +64,26 @@ std::vector<TokenInput> token_inputs(const LayerTrace& trace, DType activation) 
     in.dtype = dtype;
     inputs.push_back(std::move(in));
   };
-  if (trace.kind == LayerKind::kMamba2) {
-    const Mamba2Trace& t = trace.mamba2;
-    const Mamba2Shape& s = t.shape;
-    add("x", t.x, std::int64_t{s.nheads} * s.head_dim, activation);
-    add("dt", t.dt, s.nheads, DType::kF32);
-    add("B", t.B, std::int64_t{s.ngroups} * s.dstate, activation);
-    add("C", t.C, std::int64_t{s.ngroups} * s.dstate, activation);
-    add("z", t.z, std::int64_t{s.nheads} * s.head_dim, activation);
-  } else {
-    const GdnTrace& t = trace.gdn;
-    const GdnShape& s = t.shape;
-    add("q", t.q, std::int64_t{s.num_k_heads} * s.head_k_dim, activation);
-    add("k", t.k, std::int64_t{s.num_k_heads} * s.head_k_dim, activation);
-    add("v", t.v, std::int64_t{s.num_v_heads} * s.head_v_dim, activation);
-    add("g", t.g, s.num_v_heads, DType::kF32);
-    add("beta", t.beta, s.num_v_heads, DType::kF32);
-  }
+  visit_kind(
+      trace.kind,
+      [&] {
+        const Mamba2Trace& t = trace.mamba2;
+        const Mamba2Shape& s = t.shape;
+        add("x", t.x, std::int64_t{s.nheads} * s.head_dim, activation);
+        add("dt", t.dt, s.nheads, DType::kF32);
+        add("B", t.B, std::int64_t{s.ngroups} * s.dstate, activation);
+        add("C", t.C, std::int64_t{s.ngroups} * s.dstate, activation);
+        add("z", t.z, std::int64_t{s.nheads} * s.head_dim, activation);
+      },
+      [&] {
+        const GdnTrace& t = trace.gdn;
+        const GdnShape& s = t.shape;
+        add("q", t.q, std::int64_t{s.num_k_heads} * s.head_k_dim, activation);
+        add("k", t.k, std::int64_t{s.num_k_heads} * s.head_k_dim, activation);
+        add("v", t.v, std::int64_t{s.num_v_heads} * s.head_v_dim, activation);
+        add("g", t.g, s.num_v_heads, DType::kF32);
+        add("beta", t.beta, s.num_v_heads, DType::kF32);
+      });
   return inputs;
 }
 
@@ -134,8 +138,9 @@ class TraceRunner {
     config.checkpoint = options_.checkpoint;
     REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_));
 
-    const std::vector<float>& state0 =
-        trace_.kind == LayerKind::kMamba2 ? trace_.mamba2.state0 : trace_.gdn.state0;
+    const std::vector<float>& state0 = visit_kind(
+        trace_.kind, [&]() -> auto& { return trace_.mamba2.state0; },
+        [&]() -> auto& { return trace_.gdn.state0; });
     for (int b = 0; b < batch_; ++b) {
       int slot = -1;
       REPLAYSSM_RETURN_IF_ERROR(state_cache_allocate_slot(*cache_, &slot));
@@ -243,36 +248,39 @@ class TraceRunner {
 
   Status decode_and_commit() {
     const auto* slot_ids = static_cast<const std::int32_t*>(slot_ids_.get());
-    if (trace_.kind == LayerKind::kMamba2) {
-      Mamba2DecodeArgs a;
-      a.batch = batch_;
-      a.num_tokens = T_;
-      a.slot_ids = slot_ids;
-      a.x = device_input(inputs_, "x");
-      a.dt = static_cast<const float*>(device_input(inputs_, "dt"));
-      a.B = device_input(inputs_, "B");
-      a.C = device_input(inputs_, "C");
-      a.z = device_input(inputs_, "z");
-      a.A = static_cast<const float*>(A_.get());
-      a.D = static_cast<const float*>(D_.get());
-      a.dt_bias = static_cast<const float*>(dt_bias_.get());
-      a.y = out_.get();
-      REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
-    } else {
-      GdnDecodeArgs a;
-      a.batch = batch_;
-      a.num_tokens = T_;
-      a.slot_ids = slot_ids;
-      a.q = device_input(inputs_, "q");
-      a.k = device_input(inputs_, "k");
-      a.v = device_input(inputs_, "v");
-      a.g = static_cast<const float*>(device_input(inputs_, "g"));
-      a.beta = static_cast<const float*>(device_input(inputs_, "beta"));
-      a.qk_l2norm = trace_.gdn.qk_l2norm;
-      a.scale = trace_.gdn.scale;
-      a.o = out_.get();
-      REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
-    }
+    REPLAYSSM_RETURN_IF_ERROR(visit_kind(
+        trace_.kind,
+        [&] {
+          Mamba2DecodeArgs a;
+          a.batch = batch_;
+          a.num_tokens = T_;
+          a.slot_ids = slot_ids;
+          a.x = device_input(inputs_, "x");
+          a.dt = static_cast<const float*>(device_input(inputs_, "dt"));
+          a.B = device_input(inputs_, "B");
+          a.C = device_input(inputs_, "C");
+          a.z = device_input(inputs_, "z");
+          a.A = static_cast<const float*>(A_.get());
+          a.D = static_cast<const float*>(D_.get());
+          a.dt_bias = static_cast<const float*>(dt_bias_.get());
+          a.y = out_.get();
+          return mamba2_decode(*cache_, a);
+        },
+        [&] {
+          GdnDecodeArgs a;
+          a.batch = batch_;
+          a.num_tokens = T_;
+          a.slot_ids = slot_ids;
+          a.q = device_input(inputs_, "q");
+          a.k = device_input(inputs_, "k");
+          a.v = device_input(inputs_, "v");
+          a.g = static_cast<const float*>(device_input(inputs_, "g"));
+          a.beta = static_cast<const float*>(device_input(inputs_, "beta"));
+          a.qk_l2norm = trace_.gdn.qk_l2norm;
+          a.scale = trace_.gdn.scale;
+          a.o = out_.get();
+          return gdn_decode(*cache_, a);
+        }));
     CommitArgs commit;
     commit.batch = batch_;
     commit.slot_ids = slot_ids;
@@ -345,7 +353,7 @@ Status trace_run_save(const std::string& path, const LayerTrace& trace,
   const StateDims d = trace.dims();
   const std::int64_t batch = trace.batch();
   SafetensorsFile file;
-  const char* out_name = trace.kind == LayerKind::kMamba2 ? "y" : "o";
+  const char* out_name = visit_kind(trace.kind, [] { return "y"; }, [] { return "o"; });
   file.tensors[out_name] =
       safetensors_tensor_f32({trace.num_steps(), batch, d.heads, d.rows}, result.out);
   file.tensors["state"] = safetensors_tensor_f32({batch, d.heads, d.rows, d.cols}, result.state);

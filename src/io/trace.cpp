@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "common/layer_kind.h"
+
 namespace replayssm {
 
 namespace {
@@ -333,12 +335,12 @@ Status convert_trace(const SafetensorsFile& file, LayerTrace* out) {
         "cannot tell the trace's layer: no metadata 'layer' and neither tensor 'x' (mamba2) "
         "nor 'q' (gdn)");
   }
-  if (trace.kind == LayerKind::kMamba2) {
-    REPLAYSSM_RETURN_IF_ERROR(load_tensors(file, mamba2_tensors(), "mamba2", &trace.mamba2));
-  } else {
-    REPLAYSSM_RETURN_IF_ERROR(load_tensors(file, gdn_tensors(), "gdn", &trace.gdn));
-    REPLAYSSM_RETURN_IF_ERROR(parse_gdn_metadata(file.metadata, &trace.gdn));
-  }
+  REPLAYSSM_RETURN_IF_ERROR(visit_kind(
+      trace.kind, [&] { return load_tensors(file, mamba2_tensors(), "mamba2", &trace.mamba2); },
+      [&] {
+        REPLAYSSM_RETURN_IF_ERROR(load_tensors(file, gdn_tensors(), "gdn", &trace.gdn));
+        return parse_gdn_metadata(file.metadata, &trace.gdn);
+      }));
   REPLAYSSM_RETURN_IF_ERROR(trace_validate(trace));
   *out = std::move(trace);
   return Status::ok();
@@ -347,11 +349,14 @@ Status convert_trace(const SafetensorsFile& file, LayerTrace* out) {
 }  // namespace
 
 int LayerTrace::num_steps() const {
-  return kind == LayerKind::kMamba2 ? mamba2.num_steps : gdn.num_steps;
+  return visit_kind(kind, [&] { return mamba2.num_steps; }, [&] { return gdn.num_steps; });
 }
-int LayerTrace::batch() const { return kind == LayerKind::kMamba2 ? mamba2.batch : gdn.batch; }
+int LayerTrace::batch() const {
+  return visit_kind(kind, [&] { return mamba2.batch; }, [&] { return gdn.batch; });
+}
 StateDims LayerTrace::dims() const {
-  return kind == LayerKind::kMamba2 ? state_dims(mamba2.shape) : state_dims(gdn.shape);
+  return visit_kind(
+      kind, [&] { return state_dims(mamba2.shape); }, [&] { return state_dims(gdn.shape); });
 }
 
 Status trace_from_safetensors(const SafetensorsFile& file, LayerTrace* out) {
@@ -374,28 +379,33 @@ Status trace_load(const std::string& path, LayerTrace* out) {
 }
 
 Status trace_validate(const LayerTrace& trace) {
-  if (trace.kind == LayerKind::kMamba2) {
-    const Mamba2Trace& t = trace.mamba2;
-    REPLAYSSM_RETURN_IF_ERROR(validate_tensors(t, mamba2_tensors()));
-    if (t.shape.nheads % t.shape.ngroups != 0) {
-      return invalid_argument("trace has H = " + std::to_string(t.shape.nheads) +
-                              " heads ('x') and G = " + std::to_string(t.shape.ngroups) +
-                              " groups ('B', 'C'): G must divide H");
-    }
-    return Status::ok();
-  }
-  const GdnTrace& t = trace.gdn;
-  REPLAYSSM_RETURN_IF_ERROR(validate_tensors(t, gdn_tensors()));
-  if (t.shape.num_v_heads % t.shape.num_k_heads != 0) {
-    return invalid_argument("trace has Hv = " + std::to_string(t.shape.num_v_heads) +
-                            " value heads ('v') and Hk = " + std::to_string(t.shape.num_k_heads) +
-                            " key heads ('q', 'k'): Hv must be a multiple of Hk");
-  }
-  if (!std::isfinite(t.scale) || t.scale < 0.0f) {  // 0 stands for the default K^-1/2
-    return invalid_argument("trace scale " + std::to_string(t.scale) +
-                            " must be a finite number > 0");
-  }
-  return Status::ok();
+  return visit_kind(
+      trace.kind,
+      [&] {
+        const Mamba2Trace& t = trace.mamba2;
+        REPLAYSSM_RETURN_IF_ERROR(validate_tensors(t, mamba2_tensors()));
+        if (t.shape.nheads % t.shape.ngroups != 0) {
+          return invalid_argument("trace has H = " + std::to_string(t.shape.nheads) +
+                                  " heads ('x') and G = " + std::to_string(t.shape.ngroups) +
+                                  " groups ('B', 'C'): G must divide H");
+        }
+        return Status::ok();
+      },
+      [&] {
+        const GdnTrace& t = trace.gdn;
+        REPLAYSSM_RETURN_IF_ERROR(validate_tensors(t, gdn_tensors()));
+        if (t.shape.num_v_heads % t.shape.num_k_heads != 0) {
+          return invalid_argument("trace has Hv = " + std::to_string(t.shape.num_v_heads) +
+                                  " value heads ('v') and Hk = " +
+                                  std::to_string(t.shape.num_k_heads) +
+                                  " key heads ('q', 'k'): Hv must be a multiple of Hk");
+        }
+        if (!std::isfinite(t.scale) || t.scale < 0.0f) {  // 0 stands for the default K^-1/2
+          return invalid_argument("trace scale " + std::to_string(t.scale) +
+                                  " must be a finite number > 0");
+        }
+        return Status::ok();
+      });
 }
 
 }  // namespace replayssm
