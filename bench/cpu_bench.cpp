@@ -189,7 +189,7 @@ class CaseRunner {
     o.mamba2_gate = false;  // serving kernels apply the gate in the following norm, not here
     LayerTrace trace;
     const DType act = options_.input_dtype;
-    REPLAYSSM_RETURN_IF_ERROR(visit_kind(
+    const Status by_kind = visit_kind(
         shape_.kind,
         [&]() -> Status {
           REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_mamba2(shape_.mamba2, o, &trace));
@@ -228,14 +228,15 @@ class CaseRunner {
             inputs_.push_back(std::move(in));
           }
           return Status::ok();
-        }));
+        });
+    REPLAYSSM_RETURN_IF_ERROR(by_kind);
     return Status::ok();
   }
 
   // One decode of `batch` rows plus the commit of one token each.
   Status step(const std::vector<std::int32_t>& slot_ids, int input_set) {
     const StepInputs& in = inputs_[static_cast<std::size_t>(input_set)];
-    REPLAYSSM_RETURN_IF_ERROR(visit_kind(
+    const Status by_kind = visit_kind(
         shape_.kind,
         [&]() -> Status {
           Mamba2DecodeArgs a;
@@ -264,7 +265,8 @@ class CaseRunner {
           a.o = out_.data();
           REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
           return Status::ok();
-        }));
+        });
+    REPLAYSSM_RETURN_IF_ERROR(by_kind);
     CommitArgs commit;
     commit.batch = batch_;
     commit.slot_ids = slot_ids.data();

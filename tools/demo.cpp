@@ -98,7 +98,7 @@ Status agreement_layer(const BenchShape& shape, const DemoOptions& o, Progress& 
   so.seed = o.seed;
   so.mamba2_gate = true;
   LayerTrace trace;
-  REPLAYSSM_RETURN_IF_ERROR(visit_kind(
+  const Status by_kind = visit_kind(
       shape.kind,
       [&]() -> Status {
         REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_mamba2(shape.mamba2, so, &trace));
@@ -107,7 +107,8 @@ Status agreement_layer(const BenchShape& shape, const DemoOptions& o, Progress& 
       [&]() -> Status {
         REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_gdn(shape.gdn, so, &trace));
         return Status::ok();
-      }));
+      });
+  REPLAYSSM_RETURN_IF_ERROR(by_kind);
   const auto run = [&](const std::string& label, TraceRunOptions options, TraceRunResult* r) {
     options.progress = [&](std::int64_t done, std::int64_t total) {
       progress.update(double(done) / double(total), std::string(shape.name) + " " + label);
