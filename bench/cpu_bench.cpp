@@ -189,7 +189,7 @@ class CaseRunner {
     o.mamba2_gate = false;  // serving kernels apply the gate in the following norm, not here
     LayerTrace trace;
     const DType act = options_.input_dtype;
-    const Status by_kind = visit_kind(
+    const Status inputs_made = visit_kind(
         shape_.kind,
         [&]() -> Status {
           REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_mamba2(shape_.mamba2, o, &trace));
@@ -229,14 +229,14 @@ class CaseRunner {
           }
           return Status::ok();
         });
-    REPLAYSSM_RETURN_IF_ERROR(by_kind);
+    REPLAYSSM_RETURN_IF_ERROR(inputs_made);
     return Status::ok();
   }
 
   // One decode of `batch` rows plus the commit of one token each.
   Status step(const std::vector<std::int32_t>& slot_ids, int input_set) {
     const StepInputs& in = inputs_[static_cast<std::size_t>(input_set)];
-    const Status by_kind = visit_kind(
+    const Status decoded = visit_kind(
         shape_.kind,
         [&]() -> Status {
           Mamba2DecodeArgs a;
@@ -266,7 +266,7 @@ class CaseRunner {
           REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
           return Status::ok();
         });
-    REPLAYSSM_RETURN_IF_ERROR(by_kind);
+    REPLAYSSM_RETURN_IF_ERROR(decoded);
     CommitArgs commit;
     commit.batch = batch_;
     commit.slot_ids = slot_ids.data();

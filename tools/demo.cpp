@@ -98,7 +98,7 @@ Status agreement_layer(const BenchShape& shape, const DemoOptions& o, Progress& 
   so.seed = o.seed;
   so.mamba2_gate = true;
   LayerTrace trace;
-  const Status by_kind = visit_kind(
+  const Status trace_made = visit_kind(
       shape.kind,
       [&]() -> Status {
         REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_mamba2(shape.mamba2, so, &trace));
@@ -108,7 +108,7 @@ Status agreement_layer(const BenchShape& shape, const DemoOptions& o, Progress& 
         REPLAYSSM_RETURN_IF_ERROR(synthetic_trace_gdn(shape.gdn, so, &trace));
         return Status::ok();
       });
-  REPLAYSSM_RETURN_IF_ERROR(by_kind);
+  REPLAYSSM_RETURN_IF_ERROR(trace_made);
   const auto run = [&](const std::string& label, TraceRunOptions options, TraceRunResult* r) {
     options.progress = [&](std::int64_t done, std::int64_t total) {
       progress.update(double(done) / double(total), std::string(shape.name) + " " + label);

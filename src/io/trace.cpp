@@ -335,13 +335,13 @@ Status convert_trace(const SafetensorsFile& file, LayerTrace* out) {
         "cannot tell the trace's layer: no metadata 'layer' and neither tensor 'x' (mamba2) "
         "nor 'q' (gdn)");
   }
-  const Status by_kind = visit_kind(
+  const Status loaded = visit_kind(
       trace.kind, [&] { return load_tensors(file, mamba2_tensors(), "mamba2", &trace.mamba2); },
       [&] {
         REPLAYSSM_RETURN_IF_ERROR(load_tensors(file, gdn_tensors(), "gdn", &trace.gdn));
         return parse_gdn_metadata(file.metadata, &trace.gdn);
       });
-  REPLAYSSM_RETURN_IF_ERROR(by_kind);
+  REPLAYSSM_RETURN_IF_ERROR(loaded);
   REPLAYSSM_RETURN_IF_ERROR(trace_validate(trace));
   *out = std::move(trace);
   return Status::ok();
