@@ -45,6 +45,9 @@ _MAMBA_LAYER, _ATTENTION_LAYER, _MLP_LAYER, _MOE_LAYER = "M", "*", "-", "E"
 _TYPE_NAMES = {"mamba": _MAMBA_LAYER, "linear_attention": _MAMBA_LAYER, "attention": _ATTENTION_LAYER,
                "full_attention": _ATTENTION_LAYER, "mlp": _MLP_LAYER, "moe": _MOE_LAYER}
 # Older config.json field names transformers still reads.
+# Hub checkpoints (and transformers' save_pretrained) name the backbone "backbone.", the
+# modules "model.".
+_HUB_PREFIX = "backbone."
 _ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
             "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
             "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
@@ -458,19 +461,21 @@ class NemotronHModel(HybridModel):
                      device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "NemotronHModel":
         """A model over ``tensors`` (transformers' or the hub's names); refuses a missing,
         mis-shaped or unknown tensor by name before building anything."""
-        tensors = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): t
-                   for k, t in tensors.items()}
         with torch.device("meta"):
             expected = {k: p.shape for k, p in cls(config).state_dict().items()}
         ignored = ["mtp."]  # multi-token-prediction heads, which transformers skips too
         if config.tie_word_embeddings:
             expected.pop("lm_head.weight")
             ignored.append("lm_head.weight")
-        check_tensors(expected, tensors, ignored)
+        # Checked under the checkpoint's own names, so that an error names what its files hold.
+        hub = any(k.startswith(_HUB_PREFIX) for k in tensors)
+        file_name = {k: (_HUB_PREFIX + k[len("model."):] if hub and k.startswith("model.") else k)
+                     for k in expected}
+        check_tensors({file_name[k]: s for k, s in expected.items()}, tensors, ignored)
         model = cls._empty(config, device, dtype)
         params = dict(model.named_parameters())
         for name in expected:
-            params[name].copy_(tensors[name])
+            params[name].copy_(tensors[file_name[name]])
         return model
 
     # ---- serving ------------------------------------------------------------------------------
