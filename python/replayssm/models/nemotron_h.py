@@ -491,41 +491,25 @@ class NemotronHModel(HybridModel):
             conv_kernel=c.conv_kernel, num_attn_layers=c.pattern.count(_ATTENTION_LAYER),
             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, device=w.device, dtype=w.dtype)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _stack(self, h: torch.Tensor, mixer: Any) -> torch.Tensor:
+        """The blocks over embeddings ``h``, the SSM and attention mixers run by
+        ``mixer(block, x)`` (prefill or decode), then the final norm and the LM head."""
+        for block in self.model.layers:
+            x = block.norm(h.to(block.norm.weight.dtype))
+            h = h + (block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x))
         return self.lm_head(self.model.norm_f(h)).float()
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 1 or tokens.numel() == 0:
-            raise ValueError(f"prefill takes a non-empty prompt int64 [n], got {tuple(tokens.shape)}")
-        if tokens.numel() > cache.max_seq_len:
-            raise ValueError(f"a prompt of {tokens.numel()} tokens exceeds max_seq_len "
-                             f"({cache.max_seq_len})")
-        cache._check_slot(slot)
-        h = self.model.embeddings(tokens.to(cache.device))
-        for block in self.model.layers:
-            x = block.norm(h.to(block.norm.weight.dtype))
-            if block.kind == _MLP_LAYER:
-                x = block.mixer(x)
-            else:
-                x = block.mixer.prefill(cache, block.index, slot, x)
-            h = h + x
+        cache.check_prompt(slot, tokens)
+        logits = self._stack(self.model.embeddings(tokens.to(cache.device)),
+                             lambda block, x: block.mixer.prefill(cache, block.index, slot, x))
         cache.lengths[slot] = tokens.numel()
-        return self._logits(h)
+        return logits
 
     @torch.no_grad()
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 2 or tokens.shape[0] != slot_ids.shape[0]:
-            raise ValueError(f"tokens must be int64 [batch, T] with batch = len(slot_ids) "
-                             f"({slot_ids.shape[0]}), got {tuple(tokens.shape)}")
-        ctx = cache.decode_context(slot_ids, tokens.shape[1])
-        h = self.model.embeddings(tokens)
-        for block in self.model.layers:
-            x = block.norm(h.to(block.norm.weight.dtype))
-            if block.kind == _MLP_LAYER:
-                x = block.mixer(x)
-            else:
-                x = block.mixer.decode(cache, block.index, ctx, x)
-            h = h + x
-        return self._logits(h)
+        ctx = cache.decode_context(slot_ids, tokens)
+        return self._stack(self.model.embeddings(tokens),
+                           lambda block, x: block.mixer.decode(cache, block.index, ctx, x))
