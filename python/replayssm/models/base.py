@@ -206,6 +206,9 @@ class ServingCache:
         if tokens.numel() > self.max_seq_len:
             raise ValueError(f"a prompt of {tokens.numel()} tokens exceeds max_seq_len "
                              f"({self.max_seq_len})")
+        self._check_slot(slot)
+
+    def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or not self.ssm.is_allocated(slot):
             raise ValueError(f"slot {slot} is not an allocated slot of this cache")
 
