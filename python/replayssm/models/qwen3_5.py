@@ -544,12 +544,8 @@ class Qwen35Model(HybridModel):
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-        cache._check_slot(slot)
-        if tokens.dim() != 1 or tokens.numel() == 0:
-            raise ValueError(f"tokens must be a non-empty 1-D prompt, got {tuple(tokens.shape)}")
+        cache.check_prompt(slot, tokens)
         n = tokens.numel()
-        if n > cache.max_seq_len:
-            raise ValueError(f"a prompt of {n} tokens exceeds max_seq_len ({cache.max_seq_len})")
         c = self.config
         tokens = tokens.to(self.lm_head.weight.device)
         h = self.model.embed_tokens(tokens)
@@ -585,11 +581,7 @@ class Qwen35Model(HybridModel):
     @torch.no_grad()
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 2 or tokens.shape[0] != slot_ids.shape[0]:
-            raise ValueError(f"tokens must be [batch, T] with batch = len(slot_ids), got "
-                             f"{tuple(tokens.shape)} for {tuple(slot_ids.shape)}")
-        B, T = tokens.shape
-        ctx = cache.decode_context(slot_ids, T)
+        ctx = cache.decode_context(slot_ids, tokens)
         c = self.config
         h = self.model.embed_tokens(tokens)
         cos, sin = self._rope(ctx.positions, h.dtype)
