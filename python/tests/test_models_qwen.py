@@ -146,10 +146,11 @@ def test_chunked_scan_matches_a_float64_loop(n, chunk):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_prefill_and_64_greedy_steps_match_transformers_fp32(tied):
-    """Eager fp32 state, fp32 on the CPU: the prompt's logits, then 64 greedy steps with the
-    same tokens chosen, each step's logits against transformers' cached decoding."""
+    """Eager fp32 state, fp32 on the CPU: the prompt's logits (100 tokens: two chunks of the
+    scan and a partial one), then 64 greedy steps with the same tokens chosen, each step's
+    logits against transformers' cached decoding."""
     model = tiny_model(seed=1, tie_word_embeddings=tied)
-    tokens = prompt(37)
+    tokens = prompt(100)
     first_ref, steps_ref, fed_ref = hf_run(hf_twin(model), tokens, 64)
     first, steps, fed = our_run(model, "eager-fp32", tokens, 64)
     assert mu.rel_err(first, first_ref) < FP32_TOL
