@@ -42,7 +42,7 @@ from torch import nn
 
 import replayssm
 
-from .base import CacheLayout, HybridModel, ServingCache, causal_attention
+from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
 
 __all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
 
@@ -355,6 +355,34 @@ class _GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(o.shape)
         return self.out_proj(self.norm(o, z).flatten(-2))
 
+    def _conv_args(self):
+        return self.conv1d.weight[:, 0], None, "silu"
+
+    def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
+                rope: Any) -> torch.Tensor:
+        """A prompt x [n, hidden]: the chunked scan from a zero state, whose final state is
+        loaded into the slot's SSM layer ``layer``."""
+        mixed = cache.conv_prefill(layer, slot, self.in_proj_qkv(x), *self._conv_args())
+        q, k, v = self.split(mixed)
+        g, beta = self.gates(x)
+        rep = self.c.linear_num_value_heads // self.c.linear_num_key_heads
+        o, state = gated_delta_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1),
+                                       v, g, beta)
+        cache.ssm.load_state(layer, slot, state)
+        return self.output(o.to(x.dtype), x)
+
+    def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext, x: torch.Tensor,
+               rope: Any) -> torch.Tensor:
+        """A window x [B, T, hidden] through gdn_decode (q and k normalised and q scaled by
+        the op, as the prefill scan does)."""
+        mixed = cache.conv_decode(layer, ctx, self.in_proj_qkv(x), *self._conv_args())
+        q, k, v = (t.contiguous() for t in self.split(mixed))
+        g, beta = self.gates(x)
+        o = replayssm.gdn_decode(cache.ssm, layer, ctx.slot_ids, q, k, v, g.contiguous(),
+                                 beta.contiguous(), scale=self.c.linear_key_head_dim ** -0.5,
+                                 qk_l2norm=True)
+        return self.output(o, x)
+
 
 class _Attention(nn.Module):
     """Gated softmax attention's weights (transformers' names) and its projections."""
@@ -387,6 +415,19 @@ class _Attention(nn.Module):
         """o [..., H, hd] -> the layer output, gated by sigmoid(gate)."""
         return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
 
+    def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
+                rope: Any) -> torch.Tensor:
+        q, k, v, gate = self.qkv(x, *rope)
+        cache.kv_prefill(layer, slot, k, v)
+        return self.output(causal_attention(q, k, v, self.c.head_dim ** -0.5), gate)
+
+    def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext, x: torch.Tensor,
+               rope: Any) -> torch.Tensor:
+        q, k, v, gate = self.qkv(x, *rope)
+        cache.kv_decode(layer, ctx, k, v)
+        return self.output(cache.attend(layer, ctx, q.contiguous(), self.c.head_dim ** -0.5),
+                           gate)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on x's first rotary_dim dims (rotate-half pairing: dim i with
@@ -410,6 +451,10 @@ class _DecoderLayer(nn.Module):
         self.mlp = _MLP(c)
         self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == LINEAR else self.self_attn
 
 
 class _TextModel(nn.Module):
@@ -441,41 +486,53 @@ class Qwen35Model(HybridModel):
     # ---- construction -----------------------------------------------------------------------
 
     @classmethod
+    def _empty(cls, config: Qwen35Config, device: Any, dtype: torch.dtype) -> "Qwen35Model":
+        """Uninitialised weights on ``device`` (built on the meta device: a 4B layout never
+        passes through host memory)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        if config.tie_word_embeddings:  # to_empty makes new parameters: tie them again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.eval().requires_grad_(False)
+
+    @classmethod
     def random(cls, config: Any, seed: int = 0, device: Any = "cpu",
                dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """Seeded random weights of ``config`` (a Qwen35Config or a config.json dict), scaled so
-        activations stay O(1) through a small model (weights N(0, 1 / fan_in), embeddings
-        N(0, 1)); the parameters transformers initialises to constants are drawn around them
-        (norm weights, dt_bias) so that a test sees each one used; A uniform in [0.01, 16] as
-        transformers draws it."""
+        """Seeded random weights of ``config`` (a Qwen35Config or a config.json dict), drawn in
+        fp32 on ``device`` and rounded to ``dtype``, scaled so activations stay O(1) through a
+        small model (weights N(0, 1 / fan_in), embeddings N(0, 1)); the parameters
+        transformers initialises to constants are drawn around them (norm weights, dt_bias) so
+        that a test sees each one used; A uniform in [0.01, 16] as transformers draws it."""
         if isinstance(config, dict):
             config = Qwen35Config.from_hf(config)
-        gen = torch.Generator().manual_seed(seed)
+        model = cls._empty(config, device, dtype)
+        gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
 
         def normal(shape, std):
-            return std * torch.randn(shape, generator=gen)
+            return torch.randn(shape, generator=gen, device=device) * std
 
-        model = cls(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                leaf = name.rsplit(".", 1)[-1]
-                if name.endswith("linear_attn.norm.weight"):      # a plain weight around 1
-                    p.copy_(1.0 + normal(p.shape, 0.1))
-                elif name.endswith("norm.weight"):                # 1 + weight: around 0
-                    p.copy_(normal(p.shape, 0.1))
-                elif leaf == "dt_bias":
-                    p.copy_(1.0 + normal(p.shape, 0.5))
-                elif leaf == "A_log":
-                    p.copy_(torch.empty(p.shape).uniform_(0.01, 16.0, generator=gen).log())
-                elif leaf == "bias" or p.dim() == 1:
-                    p.copy_(normal(p.shape, 0.02))
-                elif name.endswith("conv1d.weight"):              # [C, 1, kernel]
-                    p.copy_(normal(p.shape, p.shape[-1] ** -0.5))
-                elif name.endswith("embed_tokens.weight"):
-                    p.copy_(normal(p.shape, 1.0))
-                else:                                             # Linear [out, in]
-                    p.copy_(normal(p.shape, p.shape[1] ** -0.5))
-        return model.to(device=device, dtype=dtype).eval()
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("linear_attn.norm.weight"):      # a plain weight around 1
+                values = 1.0 + normal(p.shape, 0.1)
+            elif name.endswith("norm.weight"):                # 1 + weight: around 0
+                values = normal(p.shape, 0.1)
+            elif leaf == "dt_bias":
+                values = 1.0 + normal(p.shape, 0.5)
+            elif leaf == "A_log":
+                u = torch.rand(p.shape, generator=gen, device=device)
+                values = torch.log(0.01 + (16.0 - 0.01) * u)
+            elif leaf == "bias":
+                values = normal(p.shape, 0.02)
+            elif name.endswith("conv1d.weight"):              # [C, 1, kernel]
+                values = normal(p.shape, p.shape[-1] ** -0.5)
+            elif name.endswith("embed_tokens.weight"):
+                values = normal(p.shape, 1.0)
+            else:                                             # Linear [out, in]
+                values = normal(p.shape, p.shape[1] ** -0.5)
+            p.copy_(values)
+        return model
 
     @classmethod
     def from_pretrained(cls, path: Any, device: Any = "cpu",
@@ -506,12 +563,11 @@ class Qwen35Model(HybridModel):
             expected.pop("lm_head.weight")
             ignored.append("lm_head.weight")
         check_tensors(expected, tensors, ignored)
-        model = cls(config).to(device=device, dtype=dtype)
+        model = cls._empty(config, device, dtype)
         params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name in expected:
-                params[name].copy_(tensors[name])
-        return model.eval()
+        for name in expected:
+            params[name].copy_(tensors[name])
+        return model
 
     def cache_layout(self) -> CacheLayout:
         c = self.config
@@ -534,75 +590,29 @@ class Qwen35Model(HybridModel):
         emb = torch.cat((freqs, freqs), -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
+    def _stack(self, tokens: torch.Tensor, positions: torch.Tensor, mix) -> torch.Tensor:
+        """Embedding, the decoder layers (``mix(mixer, cache_layer, x, rope)`` runs a layer's
+        GDN or attention, prefill or decode), final norm and LM head; fp32 logits."""
+        h = self.model.embed_tokens(tokens)
+        rope = self._rope(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = h + mix(layer.mixer, self._cache_index[i], layer.input_layernorm(h), rope)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.model.norm(h)).float()
-
-    def _ffn(self, layer: _DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    # ---- prefill ----------------------------------------------------------------------------
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
         cache.check_prompt(slot, tokens)
-        n = tokens.numel()
-        c = self.config
         tokens = tokens.to(self.lm_head.weight.device)
-        h = self.model.embed_tokens(tokens)
-        cos, sin = self._rope(torch.arange(n, device=h.device), h.dtype)
-        states = []  # the GDN layers' final states: loaded once every layer has succeeded
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            idx = self._cache_index[i]
-            if layer.kind == LINEAR:
-                m = layer.linear_attn
-                mixed = cache.conv_prefill(idx, slot, m.in_proj_qkv(x), m.conv1d.weight[:, 0],
-                                           None, "silu")
-                q, k, v = m.split(mixed)
-                g, beta = m.gates(x)
-                rep = c.linear_num_value_heads // c.linear_num_key_heads
-                o, state = gated_delta_chunked(q.repeat_interleave(rep, 1),
-                                               k.repeat_interleave(rep, 1), v, g, beta)
-                states.append(state)
-                h = h + m.output(o.to(h.dtype), x)
-            else:
-                a = layer.self_attn
-                q, k, v, gate = a.qkv(x, cos, sin)
-                cache.kv_prefill(idx, slot, k, v)
-                h = h + a.output(causal_attention(q, k, v, c.head_dim ** -0.5), gate)
-            h = self._ffn(layer, h)
-        for idx, state in enumerate(states):
-            cache.ssm.load_state(idx, slot, state.contiguous())
-        cache.lengths[slot] = n
-        return self._head(h)
-
-    # ---- decode -----------------------------------------------------------------------------
+        positions = torch.arange(tokens.numel(), device=tokens.device)
+        logits = self._stack(tokens, positions,
+                             lambda m, layer, x, rope: m.prefill(cache, layer, slot, x, rope))
+        cache.lengths[slot] = tokens.numel()
+        return logits
 
     @torch.no_grad()
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:
         ctx = cache.decode_context(slot_ids, tokens)
-        c = self.config
-        h = self.model.embed_tokens(tokens)
-        cos, sin = self._rope(ctx.positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            idx = self._cache_index[i]
-            if layer.kind == LINEAR:
-                m = layer.linear_attn
-                mixed = cache.conv_decode(idx, ctx, m.in_proj_qkv(x), m.conv1d.weight[:, 0],
-                                          None, "silu")
-                q, k, v = (t.contiguous() for t in m.split(mixed))
-                g, beta = m.gates(x)
-                o = replayssm.gdn_decode(cache.ssm, idx, slot_ids, q, k, v, g.contiguous(),
-                                         beta.contiguous(), scale=c.linear_key_head_dim ** -0.5,
-                                         qk_l2norm=True)
-                h = h + m.output(o, x)
-            else:
-                a = layer.self_attn
-                q, k, v, gate = a.qkv(x, cos, sin)
-                cache.kv_decode(idx, ctx, k, v)
-                o = cache.attend(idx, ctx, q.contiguous(), c.head_dim ** -0.5)
-                h = h + a.output(o, gate)
-            h = self._ffn(layer, h)
-        return self._head(h)
+        return self._stack(tokens, ctx.positions,
+                           lambda m, layer, x, rope: m.decode(cache, layer, ctx, x, rope))
