@@ -390,8 +390,12 @@ def test_config_round_trips_and_refuses_what_the_family_lacks():
     assert qw.Qwen35Config.from_hf(json.loads(cfg.to_json())) == cfg
     with pytest.raises(ValueError, match="layer_types has 2 entries for 6 layers"):
         qw.tiny_config(layer_types=("linear_attention", "full_attention"))
+    assert qw.tiny_config(layer_types=("mamba", "attention") * 3).layer_types == (
+        ("linear_attention", "full_attention") * 3)  # older names, mapped as transformers does
     with pytest.raises(ValueError, match="unknown layer types"):
-        qw.tiny_config(layer_types=("mamba",) * 6)
+        qw.tiny_config(layer_types=("sliding_attention",) * 6)
+    with pytest.raises(ValueError, match="output gate"):
+        qw.Qwen35Config.from_hf({**cfg.to_hf(), "attn_output_gate": False})
     with pytest.raises(ValueError, match="rope_type"):
         qw.Qwen35Config.from_hf({**cfg.to_hf(), "rope_parameters": {"rope_type": "yarn"}})
     with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):

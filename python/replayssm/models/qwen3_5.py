@@ -47,6 +47,7 @@ from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_
 __all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
 
 LINEAR, FULL = "linear_attention", "full_attention"
+_LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": FULL}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,9 +71,10 @@ class Qwen35Config:
     layer_types: tuple[str, ...] = ()
     full_attention_interval: int = 4
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
+    # Defaults: Qwen3_5TextConfig's, for a config.json that leaves a field out.
+    rope_theta: float = 10_000.0
     partial_rotary_factor: float = 0.25
-    max_position_embeddings: int = 262_144
+    max_position_embeddings: int = 32_768
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
@@ -87,7 +89,9 @@ class Qwen35Config:
             types = tuple(FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR
                           for i in range(self.num_hidden_layers))
             object.__setattr__(self, "layer_types", types)
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        # Older configs' names, which transformers maps the same way.
+        object.__setattr__(self, "layer_types",
+                           tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in self.layer_types))
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers")
@@ -145,16 +149,20 @@ class Qwen35Config:
         ``qwen3_5`` (the published checkpoints: the text tower under ``text_config``)."""
         text = dict(config.get("text_config") or config)
         rope = dict(text.get("rope_parameters") or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default'")
+        if not text.get("attn_output_gate", True):
+            raise ValueError("attention without the output gate (attn_output_gate false) is not "
+                             "Qwen3.5's")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in text.items() if k in fields}
         for key in ("rope_theta", "partial_rotary_factor"):
             if key in rope:
                 kw[key] = rope[key]
-        # The published 4B keeps tie_word_embeddings at the top level, beside text_config.
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
+        # A published checkpoint ties (or not) its LM head at the top level, as
+        # Qwen3_5ForConditionalGeneration reads it.
+        if "text_config" in config and "tie_word_embeddings" in config:
             kw["tie_word_embeddings"] = config["tie_word_embeddings"]
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default'")
         return cls(**kw)
 
     def to_hf(self) -> dict[str, Any]:
@@ -206,7 +214,7 @@ def tiny_config(**overrides: Any) -> Qwen35Config:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=8, linear_conv_kernel_dim=4,
         layer_types=(LINEAR, LINEAR, FULL, LINEAR, FULL, LINEAR),
-        rope_theta=10_000.0, partial_rotary_factor=0.5, max_position_embeddings=4096,
+        partial_rotary_factor=0.5, max_position_embeddings=4096,
         tie_word_embeddings=False)
     kw.update(overrides)
     return Qwen35Config(**kw)
