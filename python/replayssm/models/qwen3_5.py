@@ -499,7 +499,7 @@ class Qwen35Model(HybridModel):
         passes through host memory)."""
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
+        model = model.to(dtype).to_empty(device=device)
         if config.tie_word_embeddings:  # to_empty makes new parameters: tie them again
             model.lm_head.weight = model.model.embed_tokens.weight
         return model.eval().requires_grad_(False)
