@@ -90,7 +90,8 @@ class StepRunner:
         host[:len(slots)] = torch.tensor(list(slots), dtype=torch.int32)
         self.slot_ids.copy_(host)
 
-    def _body(self) -> None:
+    def eager_step(self) -> None:
+        """The step as plain calls (what the graph captures)."""
         cache, history = self.cache, self.history
         rows = cache.rows(self.slot_ids)
         position = cache.lengths[rows].long()
@@ -109,11 +110,11 @@ class StepRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._body()
+                self.eager_step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._body()
+            self.eager_step()
         self.graph = graph
         self.slot_ids.copy_(live)
 
@@ -123,7 +124,7 @@ class StepRunner:
                 self.capture()
             self.graph.replay()
         else:
-            self._body()
+            self.eager_step()
 
     def release(self) -> None:
         """Drops the captured graph (its memory returns to the pool)."""
