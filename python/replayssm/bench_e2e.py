@@ -355,6 +355,8 @@ def plot(path: str, out: str | None) -> str:
                             fontsize=7, color="gray", va="bottom")
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_xscale("log", base=2)
+            batches = sorted({r["batch"] for r in mine})
+            ax.set_xticks(batches, [str(b) for b in batches])
             ax.set_xlabel("batch")
             ax.set_ylabel("tokens/s vs eager-fp32")
             ax.set_title(f"{layout}, {starts} starts")
@@ -370,7 +372,7 @@ def plot(path: str, out: str | None) -> str:
             bottom = [b + h for b, h in zip(bottom, heights)]
         ax.set_xticks(range(len(bars)), [r["mode"] for r in bars], rotation=30, fontsize=7,
                       ha="right")
-        ax.set_ylabel("ms per step")
+        ax.set_ylabel("ms per step (split by the profiled shares)")
         ax.set_title(f"{layout}, batch {largest}, staggered: step breakdown")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -416,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda"
+                else platform.processor() or platform.machine(),
+                torch=torch.__version__, replayssm=replayssm.__version__, dtype=args.dtype,
+                context=args.context, repeats=args.repeats,
+                command="python -m replayssm.bench_e2e " + " ".join(
+                    sys.argv[1:] if argv is None else argv))
     for layout in args.layouts:
         model = load_model(layout, args.device, dtype)
         for batch in args.batches:
@@ -424,20 +432,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs += bench_one(model, layout, mode, batch, args.starts, args)
                 print(f"[bench_e2e] {layout} batch {batch} {mode}: "
                       f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                add_speedups(runs)
+                if args.json:  # after every configuration: a run cut short keeps its results
+                    meta["seconds"] = time.perf_counter() - started
+                    with open(args.json, "w") as f:
+                        json.dump(dict(meta=meta, runs=runs), f, indent=1)
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    add_speedups(runs)
-    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
-                or platform.machine(), torch=torch.__version__, replayssm=replayssm.__version__,
-                dtype=args.dtype, context=args.context, repeats=args.repeats,
-                seconds=time.perf_counter() - started,
-                command="python -m replayssm.bench_e2e " + " ".join(sys.argv[1:] if argv is None
-                                                                    else argv))
     print("\n".join(summary_lines(runs)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, runs=runs), f, indent=1)
     return 0
 
 

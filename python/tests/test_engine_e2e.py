@@ -177,3 +177,7 @@ def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
                 next(e["ms_per_step"] for e in runs if e["mode"] == "eager-fp32"
                      and e["layout"] == r["layout"] and e["starts"] == r["starts"])
                 / r["ms_per_step"])
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert bench_e2e.main(["--plot", str(out), "--out", str(png)]) == 0
+    assert png.stat().st_size > 10_000
