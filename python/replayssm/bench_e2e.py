@@ -28,11 +28,12 @@ with CUDA events; ms per step is the median window's mean, tokens/s is batch / (
 Speedups divide eager-fp32's ms per step by each mode's, at the same layout, batch and starts,
 measured in this run.
 
-Breakdown. ``torch.profiler`` records L (at least 4) more graph replays; each GPU kernel's time goes to one
-class by its name: ``ssm`` the library's kernels (namespace ``replayssm::``: decode, fold,
-commit), ``attention`` this package's decode-attention kernels, ``gemm`` cuBLAS/CUTLASS matrix
-kernels (names with gemm, gemv, nvjet, cutlass, xmma, splitK), ``other`` the rest (norms,
-activations, the causal conv, rotary, copies, argmax). Shares are of the summed kernel time
+Breakdown (staggered starts by default, ``--profile-starts``). ``torch.profiler`` records L (at
+least 4) more graph replays; each GPU kernel's time goes to one class by its name: ``ssm`` the
+library's kernels (namespace ``replayssm::``: decode, fold, commit), ``attention`` this
+package's decode-attention kernels, ``gemm`` cuBLAS/CUTLASS matrix kernels (names with gemm,
+gemv, nvjet, cutlass, xmma, splitK), ``other`` the rest (norms, activations, the causal conv,
+rotary, KV and conv-window writes, copies, argmax). Shares are of the summed kernel time
 (kernels of one graph do not overlap). On the CPU the same classes come from the top-level
 operators of eager steps (the SSM op and attention are tagged with record_function).
 
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import importlib
 import json
 import platform
@@ -122,15 +122,6 @@ def load_model(layout: str, device: str, dtype: torch.dtype, seed: int = 0):
     return getattr(module, class_name).random(config, seed=seed, device=device, dtype=dtype)
 
 
-@dataclasses.dataclass
-class Setup:
-    """One configuration's cache, rows and captured step."""
-
-    cache: ServingCache
-    runner: StepRunner
-    slots: list[int]
-
-
 def fill_context(cache: ServingCache, history: torch.Tensor, batch: int, context: int,
                  seed: int) -> list[int]:
     """Allocates ``batch`` slots holding ``context`` tokens of synthetic context (module doc)."""
@@ -140,9 +131,9 @@ def fill_context(cache: ServingCache, history: torch.Tensor, batch: int, context
     for kv in (cache.k, cache.v):
         part = kv[:, rows, :, :context]
         kv[:, rows, :, :context] = torch.randn(part.shape, generator=gen, device=cache.device,
-                                               dtype=torch.float32).to(kv.dtype)
+                                               dtype=kv.dtype)
     cache.conv[:, rows] = torch.randn(cache.conv[:, rows].shape, generator=gen,
-                                      device=cache.device).to(cache.conv.dtype)
+                                      device=cache.device, dtype=cache.conv.dtype)
     shape = cache.ssm.config.state_shape
     for layer in range(cache.ssm.config.num_layers):
         # One random state per layer, loaded into every row: the values do not change the cost.
@@ -282,7 +273,7 @@ def bench_one(model, layout: str, mode: StateMode, batch: int, starts: list[str]
                    context=args.context, ms_per_step=ms_step, ms_windows=ms,
                    tokens_per_s=batch * 1e3 / ms_step, steps_per_window=steps,
                    cache_gb=cache_bytes / 2**30)
-        if args.profile:
+        if start_kind in args.profile_starts:
             shares, profiled_ms, source = breakdown(runner, max(period, PROFILE_STEPS), device)
             row.update(breakdown=shares, ssm_share=shares["ssm"], profiled_ms_per_step=profiled_ms,
                        profiled=source)
@@ -390,11 +381,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
     p.add_argument("--starts", nargs="+", default=list(STARTS), choices=STARTS)
     p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
-    p.add_argument("--steps", type=int, default=32,
+    p.add_argument("--steps", type=int, default=16,
                    help="steps per timed window (rounded up to a multiple of L)")
     p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
-    p.add_argument("--no-profile", dest="profile", action="store_false",
-                   help="skip the profiled breakdown")
+    p.add_argument("--profile-starts", nargs="*", default=["staggered"], choices=STARTS,
+                   help="the starts whose step breakdown is profiled (none: no profile)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -160,6 +160,7 @@ def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
     bench_e2e.main(["--layouts", "nemotron-tiny", "qwen3.5-tiny", "--modes", "eager-fp32",
                     "replay-fp32+bf16:4", "--batches", "2", "--context", "24", "--steps", "4",
                     "--repeats", "1", "--device", "cpu", "--dtype", "float32",
+                    "--profile-starts", "synchronized", "staggered",
                     "--json", str(out)])
     result = json.loads(out.read_text())
     runs = result["runs"]
