@@ -34,8 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +76,10 @@ class Qwen35Config:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+
+    #: config.json's model_type of the text tower (what ``Qwen3_5ForCausalLM`` saves); the
+    #: published checkpoints' ``qwen3_5`` wraps it in ``text_config``.
+    model_type: ClassVar[str] = "qwen3_5_text"
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -434,9 +437,6 @@ class Qwen35Model(HybridModel):
         # The SSM cache's layer index of each GDN layer, the KV cache's of each attention layer.
         self._cache_index = {i: n for n, i in enumerate(config.ssm_layers)}
         self._cache_index.update({i: n for n, i in enumerate(config.attention_layers)})
-        r = config.rotary_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -446,7 +446,8 @@ class Qwen35Model(HybridModel):
         """Seeded random weights of ``config`` (a Qwen35Config or a config.json dict), scaled so
         activations stay O(1) through a small model (weights N(0, 1 / fan_in), embeddings
         N(0, 1)); the parameters transformers initialises to constants are drawn around them
-        (norm weights, dt_bias; A in [0.01, 4]) so that a test sees each one used."""
+        (norm weights, dt_bias) so that a test sees each one used; A uniform in [0.01, 16] as
+        transformers draws it."""
         if isinstance(config, dict):
             config = Qwen35Config.from_hf(config)
         gen = torch.Generator().manual_seed(seed)
@@ -465,7 +466,7 @@ class Qwen35Model(HybridModel):
                 elif leaf == "dt_bias":
                     p.copy_(1.0 + normal(p.shape, 0.5))
                 elif leaf == "A_log":
-                    p.copy_(torch.empty(p.shape).uniform_(0.01, 4.0, generator=gen).log())
+                    p.copy_(torch.empty(p.shape).uniform_(0.01, 16.0, generator=gen).log())
                 elif leaf == "bias" or p.dim() == 1:
                     p.copy_(normal(p.shape, 0.02))
                 elif name.endswith("conv1d.weight"):              # [C, 1, kernel]
@@ -479,32 +480,38 @@ class Qwen35Model(HybridModel):
     @classmethod
     def from_pretrained(cls, path: Any, device: Any = "cpu",
                         dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """A Hugging Face model directory: ``Qwen3_5ForCausalLM``'s (``model.*``, ``lm_head``)
-        or a published ``Qwen3_5ForConditionalGeneration``'s (its text tower under
-        ``model.language_model.*``; the vision tower and the MTP head are skipped)."""
-        from .loader import load_model_dir
+        """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
+        from .loader import read_config, read_tensors
 
-        config_dict, tensors = load_model_dir(path)
-        config = Qwen35Config.from_hf(config_dict)
+        config = Qwen35Config.from_hf(read_config(path))
+        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
+
+    @classmethod
+    def from_tensors(cls, config: Qwen35Config, tensors: dict[str, torch.Tensor],
+                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "Qwen35Model":
+        """A model over ``tensors`` by ``Qwen3_5ForCausalLM``'s names (``model.*``,
+        ``lm_head.weight``) or a published ``Qwen3_5ForConditionalGeneration``'s (the text
+        tower under ``model.language_model.*``; its vision tower and multi-token-prediction
+        head are skipped); refuses a missing, mis-shaped or unknown tensor by name before
+        building anything."""
+        from .loader import check_tensors
+
+        prefix = "model.language_model."
+        tensors = {("model." + k[len(prefix):] if k.startswith(prefix) else k): t
+                   for k, t in tensors.items()}
         with torch.device("meta"):
-            model = cls(config)
-        state = {}
-        for name, t in tensors.items():
-            if name.startswith(("model.visual.", "mtp.")):
-                continue
-            state[name.replace("model.language_model.", "model.", 1)] = t
+            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
+        ignored = ["model.visual.", "mtp."]
         if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-            missing = [m for m in missing if m != "lm_head.weight"]
-        if missing or unexpected:
-            raise ValueError(f"{os.fspath(path)}: weights do not match a Qwen3.5 text model: "
-                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        r = config.rotary_dim
-        model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
-        return model.to(device=device, dtype=dtype).eval()
+            expected.pop("lm_head.weight")
+            ignored.append("lm_head.weight")
+        check_tensors(expected, tensors, ignored)
+        model = cls(config).to(device=device, dtype=dtype)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in expected:
+                params[name].copy_(tensors[name])
+        return model.eval()
 
     def cache_layout(self) -> CacheLayout:
         c = self.config
@@ -519,8 +526,11 @@ class Qwen35Model(HybridModel):
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [..., rotary_dim] at integer positions, computed in fp32 and rounded to the
-        activations' dtype (transformers rounds them there too)."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()
+        activations' dtype (transformers rounds them there too). The inverse frequencies are
+        made here rather than kept as a buffer, which ``model.to(bfloat16)`` would round."""
+        r = self.config.rotary_dim
+        exponent = torch.arange(0, r, 2, dtype=torch.float, device=positions.device) / r
+        freqs = positions.float()[..., None] * (1.0 / (self.config.rope_theta ** exponent))
         emb = torch.cat((freqs, freqs), -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
