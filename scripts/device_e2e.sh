@@ -15,8 +15,7 @@ cd "$(dirname "$0")/.." || exit
 root=$PWD
 OUT=${OUT:-$root/out}
 mkdir -p "$OUT" "$OUT/logs"
-export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
-export REPLAYSSM_THIRD_PARTY_INCLUDE=${REPLAYSSM_THIRD_PARTY_INCLUDE:-$root/.deps/include}
+export PYTHONUNBUFFERED=1
 phases=${*:-install test bench}
 log() { echo "[device_e2e $(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 finish() { tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"; }
@@ -24,13 +23,10 @@ trap finish EXIT
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$OUT/summary.txt" 2>&1
 if [[ " $phases " == *" install "* ]]; then
-  start=$(date +%s)
-  python3 -m pip install --no-build-isolation --no-deps -v . \
-    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90-real -C build-dir=/tmp/replayssm-build \
-    >"$OUT/logs/pip.log" 2>&1
+  msg=$(scripts/device_install.sh "$OUT/logs/pip.log")
   rc=$?
-  log "pip install --no-build-isolation: rc=$rc in $(( $(date +%s) - start )) s"
-  [ $rc = 0 ] || { grep -E "error|Error" "$OUT/logs/pip.log" | head -30; exit 1; }
+  log "$msg"
+  [ $rc = 0 ] || exit 1
 fi
 
 cd /tmp || exit  # import the installed package, not the source tree
