@@ -126,6 +126,16 @@ def test_bad_requests_are_refused(model, args, message):
     assert eng.run()[0].tokens is not None
 
 
+def test_run_refuses_to_wait_for_slots_held_elsewhere(model):
+    eng = engine(model, "eager-fp32", capacity=1)
+    held = eng.cache.allocate()
+    eng.submit(prompt(6, 4), 2)
+    with pytest.raises(RuntimeError, match="no free slot"):
+        eng.run()
+    eng.cache.free(held)
+    assert len(eng.run()) == 1
+
+
 def test_bucket_list_is_checked(model):
     with pytest.raises(ValueError, match="positive batch sizes"):
         engine(model, "eager-fp32", buckets=(0, 4))

@@ -220,6 +220,9 @@ class Engine:
         """Steps until every submitted request is finished; returns them in finishing order."""
         finished: list[Request] = []
         while self.pending:
+            if not self._active and self.cache.ssm.free_slots == 0:
+                raise RuntimeError(f"{len(self._waiting)} requests wait and the cache has no "
+                                   "free slot (its slots are held outside this engine)")
             finished.extend(self.step())
         return finished
 
