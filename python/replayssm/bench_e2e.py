@@ -274,9 +274,14 @@ def bench_one(model, layout: str, mode: StateMode, batch: int, starts: list[str]
                    tokens_per_s=batch * 1e3 / ms_step, steps_per_window=steps,
                    cache_gb=cache_bytes / 2**30)
         if start_kind in args.profile_starts:
-            shares, profiled_ms, source = breakdown(runner, max(period, PROFILE_STEPS), device)
-            row.update(breakdown=shares, ssm_share=shares["ssm"], profiled_ms_per_step=profiled_ms,
-                       profiled=source)
+            try:
+                shares, profiled_ms, source = breakdown(runner, max(period, PROFILE_STEPS), device)
+            except RuntimeError as e:  # the timings stand without it
+                row["profile_error"] = str(e)
+                print(f"[bench_e2e] no breakdown: {e}", file=sys.stderr, flush=True)
+            else:
+                row.update(breakdown=shares, ssm_share=shares["ssm"],
+                           profiled_ms_per_step=profiled_ms, profiled=source)
         if device == "cuda":
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         results.append(row)
