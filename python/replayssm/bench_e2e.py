@@ -380,7 +380,8 @@ def plot(path: str, out: str | None) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m replayssm.bench_e2e",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS),
+                   metavar="LAYOUT", help=f"of {', '.join(LAYOUTS)}")
     p.add_argument("--modes", nargs="+", default=list(StateMode.NAMES),
                    help="state modes (':L' sets a replay mode's buffer length)")
     p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
@@ -399,7 +400,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="the plot's file (default: the JSON's name with .png)")
     args = p.parse_args(argv)
     if args.plot is None:
-        args.modes = [StateMode.parse(m) for m in args.modes]
+        try:
+            args.modes = [StateMode.parse(m) for m in args.modes]
+        except ValueError as e:
+            p.error(str(e))
         if any(b < 1 for b in args.batches) or args.context < 1 or args.steps < 1 \
                 or args.repeats < 1:
             p.error("batches, context, steps and repeats must be positive")
