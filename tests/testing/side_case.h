@@ -14,6 +14,7 @@
 
 #include "replayssm/state_cache.h"
 #include "replayssm/types.h"
+#include "testing/cuda_vs_cpu.h"
 #include "testing/names.h"
 
 namespace replayssm::testing {
