@@ -1,7 +1,7 @@
 // Gated DeltaNet decode on the CPU: eager, one token or a window of drafts (ALGORITHM.md §2),
 // and replay with the adjoint output form (§4): the query is walked back through the window,
-// newest token first, then meets the checkpoint in one mat-vec; the state is never built. Parallel over batch × heads (replay:
-// key heads, each serving its value heads).
+// newest token first, then meets the checkpoint in one mat-vec; the state is never built.
+// Parallel over batch × heads (replay: key heads, each serving its value heads).
 
 #include <algorithm>
 #include <cmath>
@@ -94,7 +94,8 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
             sk[r] = dot(s_r, k_t, K);
           }
           const auto* v = static_cast<const input_t*>(a.v) + bh(t) * V;
-          state_t* S_out = state + l.state_offset(a.layer, row.slot, l.after_tokens(current, t + 1));
+          state_t* S_out =
+              state + l.state_offset(a.layer, row.slot, l.after_tokens(current, t + 1));
           RowDots dots(V, partials + std::size_t(t) * RowDots::kLanes * V);
           for (int r = 0; r < n; ++r) {
             state_t* s_row = S_out + std::int64_t{r0 + r} * K;

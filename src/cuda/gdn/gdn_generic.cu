@@ -357,9 +357,10 @@ __global__ void __launch_bounds__(kGenericThreads)
       const LaneRow kh_row = hat(t, false);
 #pragma unroll
       for (int i = 0; i < kGenericPerLane; ++i) s.v[i] *= alpha;
-      const float delta =
-          beta * (to_float(static_cast<const input_t*>(p.in.v)[bh * V + row]) - lane_dot(s, kh_row));
-      state_t* out = state + l.state_offset(p.layer, slot, l.after_tokens(current, t + 1)) + row_elem;
+      const float v = to_float(static_cast<const input_t*>(p.in.v)[bh * V + row]);
+      const float delta = beta * (v - lane_dot(s, kh_row));
+      state_t* out =
+          state + l.state_offset(p.layer, slot, l.after_tokens(current, t + 1)) + row_elem;
 #pragma unroll
       for (int i = 0; i < kGenericPerLane; ++i) {
         const int c = lane + 32 * i;

@@ -41,10 +41,11 @@ struct CommitParams {
   const std::int32_t* accepted;
 };
 
-// committed += k, pending = 0 in every layer (and an eager window's copy selected). k is clamped to [0, the fewest tokens any layer
-// decoded]: the CPU backend rejects anything else up front, but device-resident counts cannot
-// be checked without a host round trip, and a bad count must not move a cursor past the ring
-// or over a record some layer never wrote. A programmatic launch (launch.cuh): at small batch
+// committed += k, pending = 0 in every layer, and an eager window's copy after token k made
+// current. k is clamped to [0, the fewest tokens any layer decoded]: the CPU backend rejects
+// anything else up front, but device-resident counts cannot be checked without a host round
+// trip, and a bad count must not move a cursor past the ring, over a record some layer never
+// wrote, or onto a state copy some layer did not write. A programmatic launch (launch.cuh): at small batch
 // a step is a few short kernels, and this one's launch overlaps the last decode's tail.
 __global__ void commit_kernel(const __grid_constant__ CommitParams p) {
   grid_dependency_wait();
