@@ -54,6 +54,12 @@ Status can_implement(const StateCacheConfig& c) {
       if (!EagerStateDTypes::contains(c.state_dtype)) {
         return EagerStateDTypes::error(c.state_dtype, "gdn eager state dtype");
       }
+      if (c.max_spec_tokens > kMaxEagerWindow) {
+        return unsupported("gdn CUDA eager caches verify windows of up to " +
+                           std::to_string(kMaxEagerWindow) +
+                           " tokens; the cache's max_spec_tokens is " +
+                           std::to_string(c.max_spec_tokens));
+      }
       return Status::ok();
     case DecodeMode::kReplay: break;
   }
@@ -130,7 +136,10 @@ Status gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args, Stream s) {
   bool generic = false;
   REPLAYSSM_RETURN_IF_ERROR(gdn::uses_generic_kernels(l.config, &generic));
   if (generic) return gdn::launch_generic(l, work, to_cuda(s));
-  if (l.config.mode == DecodeMode::kEager) return gdn::launch_eager(l, args, to_cuda(s));
+  if (l.config.mode == DecodeMode::kEager) {
+    return l.state_copies() > 1 ? gdn::launch_eager_window(l, args, to_cuda(s))
+                                : gdn::launch_eager(l, args, to_cuda(s));
+  }
   return gdn::launch_replay(l, work, to_cuda(s));
 }
 

@@ -31,11 +31,6 @@ namespace replayssm::cuda::gdn {
 
 namespace {
 
-/// One CTA = kEagerThreads threads over kEagerGranule rows of a key head (its split), each
-/// thread holding kEagerRows of them: the whole slice is one pass, requested up front.
-constexpr int kEagerRowGroups = kEagerThreads / kRowLanes;
-constexpr int kEagerGranule = kEagerRowGroups * kEagerRows;
-
 template <typename input_t, typename state_t>
 __global__ void __launch_bounds__(kEagerThreads, kEagerMinBlocks)
     gdn_eager_kernel(const __grid_constant__ EagerParams p) {
@@ -135,16 +130,29 @@ __global__ void __launch_bounds__(kEagerThreads, kEagerMinBlocks)
 
 }  // namespace
 
-Status launch_eager(StateCacheLayout& l, const GdnDecodeArgs& args, cudaStream_t stream) {
+EagerParams eager_params(const StateCacheLayout& l, const GdnDecodeArgs& args) {
   EagerParams p;
   p.cache = l;
   p.in = input_args(args, l.dims.cols);
   p.layer = args.layer;
+  p.num_tokens = args.num_tokens;
   p.heads_per_key = l.dims.heads / l.dims.key_heads;
+  // One CTA = kEagerThreads threads over kEagerGranule rows of a key head (its split), each
+  // thread holding kEagerRows of them: the whole slice is one pass, requested up front.
   const int group_rows = p.heads_per_key * l.dims.rows;
   p.tiling.rows_per_split = kEagerGranule;
   p.tiling.splits = (group_rows + kEagerGranule - 1) / kEagerGranule;
-  const dim3 grid(l.dims.key_heads * p.tiling.splits, args.batch);
+  return p;
+}
+
+dim3 eager_grid(const EagerParams& p, int batch) {
+  return dim3(static_cast<unsigned>(p.cache.dims.key_heads * p.tiling.splits),
+              static_cast<unsigned>(batch));
+}
+
+Status launch_eager(StateCacheLayout& l, const GdnDecodeArgs& args, cudaStream_t stream) {
+  const EagerParams p = eager_params(l, args);
+  const dim3 grid = eager_grid(p, args.batch);
   return ActivationDTypes::dispatch(l.config.input_dtype, "input dtype", [&](auto in) {
     using input_t = dtype_t<in.value>;
     return EagerStateDTypes::dispatch(l.config.state_dtype, "eager state dtype", [&](auto st) {

@@ -29,6 +29,13 @@ Status can_implement(const StateCacheConfig& c) {
       if (!EagerStateDTypes::contains(c.state_dtype)) {
         return EagerStateDTypes::error(c.state_dtype, "mamba2 eager state dtype");
       }
+      // Both eager kernels keep a window's outputs (tuned: dot products in shared memory;
+      // generic: accumulators per thread) for up to kMaxWindow tokens.
+      if (c.max_spec_tokens > kMaxWindow) {
+        return unsupported("mamba2 CUDA eager caches verify windows of up to " +
+                           std::to_string(kMaxWindow) + " tokens; the cache's max_spec_tokens is " +
+                           std::to_string(c.max_spec_tokens));
+      }
       return Status::ok();
     case DecodeMode::kReplay: break;
   }
@@ -99,7 +106,10 @@ Status mamba2_decode(StateCacheLayout& cache, const Mamba2DecodeArgs& a, Stream 
   p.y = a.y;
   // One launch per call: a replay launch moves its own fold cursor (cursors.cuh).
   if (mamba2::uses_generic_kernels(cache.config.mamba2)) return mamba2::launch_generic(p, stream);
-  if (cache.config.mode == DecodeMode::kEager) return mamba2::launch_eager(p, stream);
+  if (cache.config.mode == DecodeMode::kEager) {
+    return cache.state_copies() > 1 ? mamba2::launch_eager_window(p, stream)
+                                    : mamba2::launch_eager(p, stream);
+  }
   return mamba2::launch_replay(p, stream);
 }
 
