@@ -182,14 +182,14 @@ def test_window_then_commit_equals_single_steps(where):
             assert mu.rel_err(got, step_cache.ssm.export_state(layer, s)) <= tol
 
 
-def test_eager_mode_refuses_windows_and_bad_input_leaves_the_cache_untouched():
+def test_windows_past_max_spec_tokens_and_bad_input_leave_the_cache_untouched():
     model = tiny_model()
     cache = ServingCache(model, 2, 64, "eager-fp32", max_spec_tokens=4)
     slot = cache.allocate()
     model.prefill(cache, slot, prompts("cpu")[1])
     before = [t.clone() for t in (cache.lengths, cache.conv, cache.k, cache.v)]
-    with pytest.raises(NotImplementedError, match="per-draft-state path"):
-        model.decode(cache, int32([slot], "cpu"), torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_spec_tokens"):
+        model.decode(cache, int32([slot], "cpu"), torch.zeros(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="slot_ids must be int32"):
         model.decode(cache, torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="batch"):

@@ -240,15 +240,15 @@ def test_window_then_commit_equals_single_steps(where):
                               single.ssm.export_state(layer, b)) < MODE_TOL["replay-fp32"]
 
 
-def test_eager_mode_refuses_windows_and_bad_input_leaves_the_cache_untouched():
+def test_windows_past_max_spec_tokens_and_bad_input_leave_the_cache_untouched():
     model = tiny_model()
     cache = ServingCache(model, 2, 64, "eager-fp32", max_spec_tokens=4)
     slot = cache.allocate()
     model.prefill(cache, slot, prompt(5))
     before = [t.clone() for t in (cache.lengths, cache.conv, cache.k, cache.v)]
     state = cache.ssm.export_state(0, slot)
-    with pytest.raises(NotImplementedError, match="per-draft-state path"):
-        model.decode(cache, int32([slot]), torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_spec_tokens"):
+        model.decode(cache, int32([slot]), torch.zeros(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="batch"):
         model.decode(cache, int32([slot]), torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="exceeds max_seq_len"):

@@ -87,9 +87,6 @@ class StateMode:
     def eager(self) -> bool:
         return self.kind == "eager"
 
-    def max_window(self, max_spec_tokens: int) -> int:
-        """The longest decode window this mode takes: eager state advances one token at a time."""
-        return 1 if self.eager else max_spec_tokens
 
     def cache_config(self, kind: str, dims: dict[str, int], num_layers: int, capacity: int,
                      max_spec_tokens: int, input_dtype: Any, device: Any) -> replayssm.CacheConfig:
@@ -97,10 +94,11 @@ class StateMode:
         "gdn") with ``dims`` (the layer's CacheConfig dimensions)."""
         device = torch.device(device).type
         if self.eager:
+            # max_spec_tokens > 1: per-draft-state speculation, a state copy per draft token.
             return replayssm.CacheConfig(
                 kind=kind, capacity=capacity, num_layers=num_layers, mode="eager",
                 state_dtype="float32" if self.precision == "fp32" else "bfloat16",
-                input_dtype=input_dtype, device=device, **dims)
+                max_spec_tokens=max_spec_tokens, input_dtype=input_dtype, device=device, **dims)
         return replayssm.CacheConfig(
             kind=kind, capacity=capacity, num_layers=num_layers, mode="replay",
             checkpoint=self.precision, buffer_len=self.buffer_len,
@@ -183,8 +181,9 @@ class ServingCache:
 
     @property
     def max_window(self) -> int:
-        """The longest decode window (1 in eager modes)."""
-        return self.mode.max_window(self.max_spec_tokens)
+        """The longest decode window: ``max_spec_tokens`` (an eager cache keeps a state copy
+        per window token, a replay cache verifies the window from its checkpoint and ring)."""
+        return self.max_spec_tokens
 
     # ---- slots --------------------------------------------------------------------------------
 
@@ -229,11 +228,6 @@ class ServingCache:
         else:
             T = tokens
         if T > self.max_window:
-            if self.mode.eager:
-                raise NotImplementedError(
-                    f"{self.mode} decodes one token at a time; windows of T = {T} tokens need "
-                    "the per-draft-state path (an eager state per draft token), which this "
-                    "cache does not have: use a replay mode")
             raise ValueError(f"a window of {T} tokens exceeds this cache's max_spec_tokens "
                              f"({self.max_spec_tokens})")
         if slot_ids.dtype != torch.int32 or slot_ids.dim() != 1:
