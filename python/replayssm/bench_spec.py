@@ -1,0 +1,369 @@
+"""Speculative decoding throughput of whole hybrid models: replay verify against per-draft-state
+verify against plain decoding, in the same run and the same harness.
+
+    python -m replayssm.bench_spec [--layouts ...] [--batches 16 64 256] [--window 4]
+                                   [--acceptance P1 ... PT] [--json FILE]
+    python -m replayssm.bench_spec --measure MODEL_DIR ... [--window 2 ... 8]
+
+Methods (each a :class:`~replayssm.models.speculative.SpeculativeDecoder` step captured in a
+CUDA graph: the n-gram drafter on the device, the window's decode through the whole model,
+argmax, acceptance, commit):
+
+- ``replay-verify``: a replay cache (``--replay-mode``, default replay-fp32) verifies windows of
+  T tokens from its checkpoint and ring, writing no state; rollback is the commit's cursor.
+- ``per-draft-state``: an eager cache (``--eager-mode``, default eager-fp32, the state dtype
+  serving engines keep for these models) with ``max_spec_tokens = T``: the window writes a
+  state copy per token and commit selects one, as engines verify drafts today.
+- ``plain``: no speculation, one token per step on the eager cache.
+
+Acceptance. Random weights (``--layouts``: the real Nemotron-3-Nano-4B and Qwen3.5-4B layouts,
+random bf16 weights) make drafts that are never right, so the accepted counts are forced: each
+row's count per step (1..T tokens: the pending token plus the accepted drafts) is drawn from a
+fixed distribution (``--acceptance``, else the table ``ACCEPTANCE`` measured below for the
+layout's family and T), seeded, one table of ``--steps`` steps replayed on the device. Costs
+that depend on the accepted counts (folds, cursors) follow them; the tokens themselves are not
+the greedy ones, which changes nothing in the cost.
+
+``ACCEPTANCE`` was measured with ``--measure`` (the n-gram drafter, ``max_ngram`` 3, lookback
+1024, on the CPU) on two small trained byte-level models (Nemotron-H and Qwen3.5 layouts,
+6-7 M parameters, 1.24 and 1.16 nats/byte on held-out text) over their 33 held-out files of the
+Python standard library's sources (30 found under this machine's Python 3.11 library: the
+models trained on Python 3.12's): per file a prompt of its first 512 bytes, then 256 greedy
+tokens, every step's accepted count recorded (replay-fp32 cache, fp32). Greedy generation of
+such small models repeats itself more than a large model's would, which favours prompt
+lookup: the distribution is optimistic for a 4B model, and the speedup over per-draft state
+depends on it only through the tokens per step, which both methods share.
+
+Timing, context. Every row holds ``--context`` tokens of synthetic context laid down as
+bench_e2e does (no prefill). After warm-up steps, ``--repeats`` windows of ``--steps`` steps are
+timed with CUDA events (each window replays the whole acceptance table once); ms per step is
+the median window's mean. Accepted tokens/s = batch x mean accepted per step / ms per step.
+
+Memory. Per request: the serving cache's bytes per slot (SSM state cache, conv windows, KV rows
+for ``--request-tokens`` tokens); the maximum concurrent requests is ``--budget-gb`` GiB of
+cache divided by that. Also PyTorch's peak allocation per configuration (weights included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import sysconfig
+import time
+from typing import Any
+
+import torch
+
+import replayssm
+from replayssm.bench_e2e import LAYOUTS, fill_context, load_model, sync, time_steps
+from replayssm.models import ServingCache, StateMode
+from replayssm.models.speculative import NgramDrafter, SpecRunner, SpeculativeDecoder
+
+DEFAULT_LAYOUTS = ("nemotron-nano-4b", "qwen3.5-4b")
+DEFAULT_BATCHES = (16, 64, 256)
+METHODS = ("replay-verify", "per-draft-state", "plain")
+BASELINE = "per-draft-state"
+
+#: Fraction of steps that accept 1, 2, ..., T tokens, by family and T (module doc: measured).
+ACCEPTANCE: dict[str, dict[int, list[float]]] = {}
+
+#: The layouts' families, for ACCEPTANCE.
+FAMILY = {"nemotron-nano-4b": "nemotron_h", "nemotron-tiny": "nemotron_h",
+          "qwen3.5-4b": "qwen3_5", "qwen3.5-tiny": "qwen3_5"}
+
+#: Accepted tokens/s of replay verify over per-draft state aimed at (batch 256, T = 4, H200).
+TARGETS = {"nemotron-nano-4b": 1.8, "qwen3.5-4b": 1.5}
+
+
+def acceptance_for(layout: str, window: int, given: list[float] | None) -> list[float]:
+    """The accepted-count distribution (fractions of 1..T tokens) a run forces."""
+    if given is not None:
+        if len(given) != window or any(p < 0 for p in given) or sum(given) <= 0:
+            raise ValueError(f"--acceptance takes {window} non-negative weights (1..{window} "
+                             f"tokens), got {given}")
+        total = sum(given)
+        return [p / total for p in given]
+    table = ACCEPTANCE.get(FAMILY[layout], {})
+    if window not in table:
+        raise ValueError(f"no measured acceptance for {FAMILY[layout]} at T = {window}: pass "
+                         "--acceptance")
+    return table[window]
+
+
+def ssm_bytes_per_slot(cache: ServingCache) -> int:
+    """The state cache's bytes per slot: its buffers at capacity 2 minus at capacity 1."""
+    config = cache.ssm.config
+
+    def total(capacity: int) -> int:
+        import dataclasses
+
+        c = dataclasses.replace(config, capacity=capacity)
+        return sum(_nbytes(b) for b in replayssm.cache_buffers(c))
+    return total(2) - total(1)
+
+
+def _nbytes(spec: replayssm.BufferSpec) -> int:
+    size = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1,
+            "uint32": 4}[spec.dtype]
+    n = 1
+    for d in spec.shape:
+        n *= d
+    return n * size
+
+
+def bytes_per_request(cache: ServingCache, request_tokens: int) -> int:
+    """A request's serving-cache bytes with KV rows for ``request_tokens`` tokens."""
+    layout = cache.layout
+    item = torch.finfo(cache.dtype).bits // 8
+    kv = 2 * layout.num_attn_layers * layout.kv_heads * request_tokens * layout.head_dim * item
+    conv = layout.num_ssm_layers * cache.conv_ring * layout.conv_channels * item
+    return ssm_bytes_per_slot(cache) + kv + conv
+
+
+class ForcedAcceptance:
+    """A table of accepted counts [steps, batch] on the device, one row per step in turn
+    (capturable: a device counter picks the row)."""
+
+    def __init__(self, probs: list[float], steps: int, batch: int, device: Any, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        draws = torch.multinomial(torch.tensor(probs), steps * batch, replacement=True,
+                                  generator=g)
+        self.table = (draws + 1).int().view(steps, batch).to(device)
+        self.counter = torch.zeros(1, dtype=torch.long, device=device)
+
+    @property
+    def mean(self) -> float:
+        return float(self.table.float().mean())
+
+    def __call__(self) -> torch.Tensor:
+        row = self.table.index_select(0, self.counter % self.table.shape[0])[0]
+        self.counter.add_(1)
+        return row
+
+
+def bench_one(model, layout: str, method: str, batch: int, window: int, probs: list[float],
+              args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device
+    T = 1 if method == "plain" else window
+    mode = args.replay_mode if method == "replay-verify" else args.eager_mode
+    parsed = StateMode.parse(mode)
+    warm_up = max(2, -(-(1 if parsed.eager else parsed.buffer_len) // T))  # a fold period
+    used = (warm_up + 3 + args.steps * args.repeats) * T
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cache = ServingCache(model, capacity=batch, max_seq_len=args.context + used + T + 2,
+                         mode=mode, max_spec_tokens=T)
+    drafter = NgramDrafter(lookback=min(args.lookback, args.context)) if T > 1 else None
+    spec = SpeculativeDecoder(model, cache, drafter, T)
+    forced = ForcedAcceptance(probs, args.steps, batch, device, seed=batch) if T > 1 else None
+    runner = SpecRunner(spec, batch, cuda_graph=device == "cuda", forced=forced)
+    slots = fill_context(cache, spec.history, batch, args.context, seed=batch)
+    runner.set_slots(slots)
+    for _ in range(warm_up):
+        runner.run()
+    sync(device)
+    ms = time_steps(runner, args.steps, args.repeats, device)
+    ms_step = statistics.median(ms)
+    mean_accepted = forced.mean if forced is not None else 1.0
+    per_request = bytes_per_request(cache, args.request_tokens)
+    row = dict(layout=layout, method=method, mode=mode, window=T, batch=batch,
+               context=args.context, ms_per_step=ms_step, ms_windows=ms,
+               mean_accepted=mean_accepted,
+               accepted_tokens_per_s=batch * mean_accepted * 1e3 / ms_step,
+               steps_per_window=args.steps, bytes_per_request=per_request,
+               request_tokens=args.request_tokens, budget_gb=args.budget_gb,
+               max_requests=int(args.budget_gb * 2**30 // per_request),
+               ssm_bytes_per_request=ssm_bytes_per_slot(cache))
+    if device == "cuda":
+        row["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    runner.release()
+    return row
+
+
+def add_speedups(runs: list[dict[str, Any]]) -> None:
+    for ref_method, key in ((BASELINE, "speedup_vs_per_draft_state"), ("plain", "speedup_vs_plain")):
+        base = {(r["layout"], r["batch"]): r["accepted_tokens_per_s"]
+                for r in runs if r["method"] == ref_method}
+        for r in runs:
+            ref = base.get((r["layout"], r["batch"]))
+            r[key] = None if ref is None else r["accepted_tokens_per_s"] / ref
+
+
+def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'layout':<17}{'batch':>6} {'method':<16}{'mode':<17}{'T':>2}{'ms/step':>9}"
+             f"{'accepted':>9}{'tok/s':>10}{'vs draft-state':>15}{'vs plain':>9}"
+             f"{'MB/request':>11}{'max req':>8}"]
+    for r in runs:
+        a, b = r.get("speedup_vs_per_draft_state"), r.get("speedup_vs_plain")
+        lines.append(
+            f"{r['layout']:<17}{r['batch']:>6} {r['method']:<16}{r['mode']:<17}{r['window']:>2}"
+            f"{r['ms_per_step']:>9.3f}{r['mean_accepted']:>9.2f}{r['accepted_tokens_per_s']:>10.0f}"
+            f"{'' if a is None else f'{a:.2f}x':>15}{'' if b is None else f'{b:.2f}x':>9}"
+            f"{r['bytes_per_request'] / 2**20:>11.1f}{r['max_requests']:>8}")
+    for layout, target in TARGETS.items():
+        got = [r["speedup_vs_per_draft_state"] for r in runs
+               if r["layout"] == layout and r["method"] == "replay-verify" and r["batch"] == 256
+               and r["window"] == 4 and r.get("speedup_vs_per_draft_state")]
+        if got:
+            verdict = "met" if got[0] >= target else "MISSED"
+            lines.append(f"target {layout} replay verify vs per-draft state, batch 256, T = 4: "
+                         f"{got[0]:.2f}x speedup (aim {target}x) {verdict}")
+    return lines
+
+
+# ---- measuring the acceptance ---------------------------------------------------------------
+
+def measure(model_dir: str, windows: list[int], files_root: str, prompt_bytes: int,
+            new_tokens: int) -> dict[str, Any]:
+    """The n-gram drafter's accepted counts on a trained byte-level model over its held-out
+    files (module doc)."""
+    from replayssm.models import FAMILIES, load
+    from replayssm.models.qwen3_5 import Qwen35Config, Qwen35Model
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    # The loader's registry may not list the Qwen3.5 family yet.
+    model = (Qwen35Model.from_pretrained(model_dir)
+             if model_type == Qwen35Config.model_type and model_type not in FAMILIES
+             else load(model_dir))
+    with open(os.path.join(model_dir, "heldout.txt")) as f:
+        names = [line.strip() for line in f if line.strip()]
+    prompts, used = [], []
+    for name in names:
+        path = os.path.join(files_root, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read(prompt_bytes)
+        if len(data) == prompt_bytes:
+            prompts.append(torch.tensor(list(data), dtype=torch.long))
+            used.append(name)
+    result: dict[str, Any] = dict(model=model_dir, model_type=model_type, files=used,
+                                  files_root=files_root, prompt_bytes=prompt_bytes,
+                                  new_tokens=new_tokens, windows={})
+    for T in windows:
+        cache = ServingCache(model, len(prompts), prompt_bytes + new_tokens + T + 1,
+                             "replay-fp32", max_spec_tokens=T)
+        spec = SpeculativeDecoder(model, cache, NgramDrafter(), T)
+        t0 = time.perf_counter()
+        out = spec.generate(prompts, new_tokens)
+        counts = out.accepted_counts() + [0] * T
+        counts = counts[:T]
+        result["windows"][T] = dict(counts=counts,
+                                    fractions=[c / sum(counts) for c in counts],
+                                    mean_accepted=sum((i + 1) * c for i, c in enumerate(counts))
+                                    / sum(counts), steps=out.steps,
+                                    seconds=time.perf_counter() - t0)
+        print(f"[bench_spec] {model_type} T = {T}: mean accepted "
+              f"{result['windows'][T]['mean_accepted']:.3f}, counts {counts}",
+              file=sys.stderr, flush=True)
+    return result
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m replayssm.bench_spec",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS),
+                   metavar="LAYOUT", help=f"of {', '.join(LAYOUTS)}")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
+    p.add_argument("--window", "-T", type=int, default=4, help="T: tokens per window, 2..8")
+    p.add_argument("--acceptance", nargs="+", type=float,
+                   help="weights of accepting 1..T tokens per step (default: ACCEPTANCE)")
+    p.add_argument("--replay-mode", default="replay-fp32")
+    p.add_argument("--eager-mode", default="eager-fp32")
+    p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
+    p.add_argument("--lookback", type=int, default=1024, help="the n-gram drafter's lookback")
+    p.add_argument("--steps", type=int, default=16, help="steps per timed window")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
+    p.add_argument("--request-tokens", type=int, default=8192,
+                   help="tokens a request's KV rows are sized for (memory per request)")
+    p.add_argument("--budget-gb", type=float, default=64.0,
+                   help="serving-cache memory budget for the maximum concurrent requests (GiB)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--measure", nargs="+", metavar="MODEL_DIR",
+                   help="measure the n-gram acceptance on trained models instead of timing")
+    p.add_argument("--measure-windows", nargs="+", type=int, default=list(range(2, 9)))
+    p.add_argument("--files-root", default=sysconfig.get_paths()["stdlib"],
+                   help="where the held-out files listed in heldout.txt are (--measure)")
+    p.add_argument("--prompt-bytes", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    args = p.parse_args(argv)
+    try:
+        for m in (args.replay_mode, args.eager_mode):
+            StateMode.parse(m)
+    except ValueError as e:
+        p.error(str(e))
+    if StateMode.parse(args.replay_mode).eager or not StateMode.parse(args.eager_mode).eager:
+        p.error("--replay-mode takes a replay mode, --eager-mode an eager one")
+    if not 2 <= args.window <= 8 or any(not 2 <= w <= 8 for w in args.measure_windows):
+        p.error("windows are 2..8 tokens")
+    if any(b < 1 for b in args.batches) or min(args.context, args.steps, args.repeats,
+                                               args.lookback, args.request_tokens) < 1 \
+            or args.budget_gb <= 0:
+        p.error("batches, context, steps, repeats, lookback, request tokens and the budget "
+                "must be positive")
+    if args.measure is None:
+        try:
+            args.probs = {layout: acceptance_for(layout, args.window, args.acceptance)
+                          for layout in args.layouts}
+        except ValueError as e:
+            p.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python -m replayssm.bench_spec " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.measure:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        results = [measure(d, args.measure_windows, args.files_root, args.prompt_bytes,
+                           args.new_tokens) for d in args.measure]
+        out = dict(command=command, measurements=results)
+        text = json.dumps(out, indent=1)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text)
+        print(text)
+        return 0
+    dtype = getattr(torch, args.dtype)
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda"
+                else platform.processor() or platform.machine(),
+                torch=torch.__version__, replayssm=replayssm.__version__, dtype=args.dtype,
+                context=args.context, window=args.window, acceptance=args.probs,
+                repeats=args.repeats, steps=args.steps, command=command)
+    for layout in args.layouts:
+        model = load_model(layout, args.device, dtype)
+        for batch in args.batches:
+            for method in args.methods:
+                t0 = time.perf_counter()
+                runs.append(bench_one(model, layout, method, batch, args.window,
+                                      args.probs[layout], args))
+                print(f"[bench_spec] {layout} batch {batch} {method}: "
+                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                add_speedups(runs)
+                if args.json:  # after every configuration: a run cut short keeps its results
+                    meta["seconds"] = time.perf_counter() - started
+                    with open(args.json, "w") as f:
+                        json.dump(dict(meta=meta, runs=runs), f, indent=1)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print("\n".join(summary_lines(runs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
