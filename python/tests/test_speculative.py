@@ -64,9 +64,10 @@ def plain_tokens(model, ps, n):
 
 
 class ForcedDrafter(Drafter):
-    """Proposes the reference continuation with its first ``c`` drafts right and the rest
-    wrong, ``c`` per row and step from ``pattern`` ("all", "none", "random"); remembers the
-    accepted counts that must follow (c + 1)."""
+    """Proposes the reference continuation with each draft right or wrong by ``pattern``:
+    "all", "none", or "random" (each draft right with probability 0.6, so a wrong draft may be
+    followed by right ones, which must not count); remembers the accepted counts that must
+    follow (1 + the leading right drafts)."""
 
     def __init__(self, reference, pattern, vocab, seed=0):
         self.reference, self.pattern, self.vocab = reference, pattern, vocab
@@ -77,11 +78,12 @@ class ForcedDrafter(Drafter):
         B = ctx.rows.shape[0]
         pos = (ctx.lengths[:, None] + 1 + torch.arange(n, device=ctx.rows.device))
         right = self.reference[ctx.rows[:, None], pos]
-        c = {"all": torch.full((B,), n), "none": torch.zeros(B, dtype=torch.long),
-             "random": torch.randint(0, n + 1, (B,), generator=self.gen)}[self.pattern]
-        self.expected.append(c + 1)
-        wrong = torch.arange(n)[None] >= c[:, None]
-        return torch.where(wrong.to(right.device), (right + 1) % self.vocab, right)
+        if self.pattern == "random":
+            ok = torch.rand(B, n, generator=self.gen) < 0.6
+        else:
+            ok = torch.full((B, n), self.pattern == "all")
+        self.expected.append(ok.int().cumprod(1).sum(1) + 1)
+        return torch.where(ok.to(right.device), right, (right + 1) % self.vocab)
 
 
 def reference_table(ps, tokens, capacity=3):
@@ -133,6 +135,17 @@ def test_draft_model_gives_the_plain_tokens(family_case, mode, draft_mode):
     counts = result.accepted_counts()
     assert counts[-1] > 0 and sum(counts[:-1]) > 0, counts  # full windows and rejections
     assert drafter.cache.ssm.free_slots == 3  # generate freed the draft's slots too
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_target_as_its_own_draft_model_fills_every_window(family_case, mode):
+    """The draft cache stays in step with the target's: a draft model equal to the target
+    proposes exactly the target's tokens, so every step accepts the whole window."""
+    family, model, ps, ref = family_case
+    drafter = DraftModelDrafter(model, ServingCache(model, 3, MAX_SEQ, mode, max_spec_tokens=T))
+    result = decoder(model, mode, drafter).generate(ps, NEW_TOKENS)
+    assert result.tokens == [r[:NEW_TOKENS] for r in ref]
+    assert result.accepted_counts()[:-1] == [0] * (T - 1)
 
 
 @pytest.mark.parametrize("pattern", ["all", "none", "random"])
