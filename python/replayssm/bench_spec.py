@@ -68,8 +68,11 @@ DEFAULT_BATCHES = (16, 64, 256)
 METHODS = ("replay-verify", "per-draft-state", "plain")
 BASELINE = "per-draft-state"
 
-#: Fraction of steps that accept 1, 2, ..., T tokens, by family and T (module doc: measured).
-ACCEPTANCE: dict[str, dict[int, list[float]]] = {}
+#: Row-steps that accepted 1, 2, ..., T tokens, by family and T (module doc: measured).
+ACCEPTANCE: dict[str, dict[int, list[int]]] = {
+    "nemotron_h": {4: [854, 123, 63, 1473]},
+    "qwen3_5": {4: [1072, 215, 94, 1349]},
+}
 
 #: The layouts' families, for ACCEPTANCE.
 FAMILY = {"nemotron-nano-4b": "nemotron_h", "nemotron-tiny": "nemotron_h",
@@ -81,17 +84,16 @@ TARGETS = {"nemotron-nano-4b": 1.8, "qwen3.5-4b": 1.5}
 
 def acceptance_for(layout: str, window: int, given: list[float] | None) -> list[float]:
     """The accepted-count distribution (fractions of 1..T tokens) a run forces."""
-    if given is not None:
-        if len(given) != window or any(p < 0 for p in given) or sum(given) <= 0:
-            raise ValueError(f"--acceptance takes {window} non-negative weights (1..{window} "
-                             f"tokens), got {given}")
-        total = sum(given)
-        return [p / total for p in given]
-    table = ACCEPTANCE.get(FAMILY[layout], {})
-    if window not in table:
-        raise ValueError(f"no measured acceptance for {FAMILY[layout]} at T = {window}: pass "
-                         "--acceptance")
-    return table[window]
+    if given is None:
+        table = ACCEPTANCE.get(FAMILY[layout], {})
+        if window not in table:
+            raise ValueError(f"no measured acceptance for {FAMILY[layout]} at T = {window}: "
+                             "pass --acceptance")
+        given = table[window]
+    if len(given) != window or any(p < 0 for p in given) or sum(given) <= 0:
+        raise ValueError(f"--acceptance takes {window} non-negative weights (1..{window} "
+                         f"tokens), got {given}")
+    return [p / sum(given) for p in given]
 
 
 def ssm_bytes_per_slot(cache: ServingCache) -> int:
@@ -326,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python -m replayssm.bench_spec " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.measure:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        # Small models: one thread is faster than several on a shared machine.
+        torch.set_num_threads(1)
         results = [measure(d, args.measure_windows, args.files_root, args.prompt_bytes,
                            args.new_tokens) for d in args.measure]
         out = dict(command=command, measurements=results)
@@ -337,27 +340,32 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     dtype = getattr(torch, args.dtype)
+    device_name = (torch.cuda.get_device_name() if args.device == "cuda"
+                   else platform.processor() or platform.machine())
+    meta = dict(device=device_name, torch=torch.__version__, replayssm=replayssm.__version__,
+                dtype=args.dtype, context=args.context, window=args.window,
+                acceptance=args.probs, repeats=args.repeats, steps=args.steps, command=command)
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
-    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda"
-                else platform.processor() or platform.machine(),
-                torch=torch.__version__, replayssm=replayssm.__version__, dtype=args.dtype,
-                context=args.context, window=args.window, acceptance=args.probs,
-                repeats=args.repeats, steps=args.steps, command=command)
+
+    def save() -> None:
+        """After every configuration, so that a run cut short keeps its results."""
+        add_speedups(runs)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(meta={**meta, "seconds": time.perf_counter() - started},
+                               runs=runs), f, indent=1)
+
+    configurations = [(b, m) for b in args.batches for m in args.methods]
     for layout in args.layouts:
         model = load_model(layout, args.device, dtype)
-        for batch in args.batches:
-            for method in args.methods:
-                t0 = time.perf_counter()
-                runs.append(bench_one(model, layout, method, batch, args.window,
-                                      args.probs[layout], args))
-                print(f"[bench_spec] {layout} batch {batch} {method}: "
-                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-                add_speedups(runs)
-                if args.json:  # after every configuration: a run cut short keeps its results
-                    meta["seconds"] = time.perf_counter() - started
-                    with open(args.json, "w") as f:
-                        json.dump(dict(meta=meta, runs=runs), f, indent=1)
+        for batch, method in configurations:
+            t0 = time.perf_counter()
+            runs.append(bench_one(model, layout, method, batch, args.window,
+                                  args.probs[layout], args))
+            print(f"[bench_spec] {layout} batch {batch} {method}: "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            save()
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()

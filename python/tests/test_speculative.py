@@ -264,4 +264,8 @@ def test_bench_spec_smoke(tmp_path):
         assert r["ms_per_step"] > 0 and r["accepted_tokens_per_s"] > 0
         assert 1 <= r["mean_accepted"] <= r["window"]
         assert r["max_requests"] >= 1
-    assert "speedup" in proc.stdout
+        ratio = r["accepted_tokens_per_s"] / next(
+            b["accepted_tokens_per_s"] for b in runs
+            if b["layout"] == r["layout"] and b["method"] == "per-draft-state")
+        assert r["speedup_vs_per_draft_state"] == pytest.approx(ratio)
+    assert "vs draft-state" in proc.stdout
