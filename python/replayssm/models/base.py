@@ -87,7 +87,6 @@ class StateMode:
     def eager(self) -> bool:
         return self.kind == "eager"
 
-
     def cache_config(self, kind: str, dims: dict[str, int], num_layers: int, capacity: int,
                      max_spec_tokens: int, input_dtype: Any, device: Any) -> replayssm.CacheConfig:
         """The state cache's configuration for ``num_layers`` layers of ``kind`` ("mamba2" or
