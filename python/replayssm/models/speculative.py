@@ -38,7 +38,9 @@ Drafters propose the T - 1 drafts of every row from the history (:class:`Drafter
   most the target's: a step first decodes the window history[D .. D + T) (the tokens the target
   accepted since, then the pending token; at most T of them) and commits those ``L + 1 - D``
   tokens, its prediction after the pending token being d_1; then d_k comes from a window of
-  [d_1 .. d_{k-1}] that it does not commit (commit 0), since the target may reject them.
+  [d_1 .. d_{k-1}] that it does not commit (commit 0): a committed token cannot be taken
+  back, and the target may reject them. Per step: T - 1 draft decodes, of T, 1, 2, ..., T - 2
+  tokens.
 
 The baseline. Per-draft-state speculation is the same decoder over an eager cache with
 ``max_spec_tokens = T``: the window writes a state copy per token and commit selects one.
