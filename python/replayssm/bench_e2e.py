@@ -37,6 +37,9 @@ rotary, KV and conv-window writes, copies, argmax). Shares are of the summed ker
 (kernels of one graph do not overlap). On the CPU the same classes come from the top-level
 operators of eager steps (the SSM op and attention are tagged with record_function).
 
+``attention_gb_per_s`` is the live keys' and values' bytes per step over the attention
+kernels' time per step (on CUDA): how close the attention kernel runs to memory bandwidth.
+
 Memory: the peak of PyTorch's allocator over the configuration (the model's weights included)
 and the serving cache's own bytes. Caches are freed between configurations.
 """
@@ -151,6 +154,15 @@ def stagger(runner: StepRunner, slots: list[int], buffer_len: int) -> None:
         runner.set_slots([slot if b % buffer_len > s else -1 for b, slot in enumerate(slots)])
         runner.run()
     runner.set_slots(slots)
+
+
+def kv_bytes_per_step(cache: ServingCache, slots: list[int]) -> int:
+    """Bytes of keys and values a step's attention reads: each row's live keys, every
+    attention layer (the lengths as they stand now, after the profiled steps)."""
+    layout = cache.layout
+    keys = int(cache.lengths[torch.tensor(slots, device=cache.device)].sum()) + len(slots)
+    return 2 * keys * layout.num_attn_layers * layout.kv_heads * layout.head_dim \
+        * cache.k.element_size()
 
 
 def sync(device: str) -> None:
@@ -282,6 +294,9 @@ def bench_one(model, layout: str, mode: StateMode, batch: int, starts: list[str]
             else:
                 row.update(breakdown=shares, ssm_share=shares["ssm"],
                            profiled_ms_per_step=profiled_ms, profiled=source)
+                if device == "cuda" and shares["attention"] > 0:
+                    row["attention_gb_per_s"] = (kv_bytes_per_step(cache, slots)
+                                                 / (shares["attention"] * profiled_ms * 1e6))
         if device == "cuda":
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         results.append(row)
@@ -300,7 +315,8 @@ def add_speedups(runs: list[dict[str, Any]]) -> None:
 
 def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
     lines = [f"{'layout':<17}{'starts':<13}{'batch':>6} {'mode':<18}{'ms/step':>9}{'tok/s':>10}"
-             f"{'speedup':>9}{'ssm':>6}{'attn':>6}{'gemm':>6}{'other':>6}{'peak GB':>9}"]
+             f"{'speedup':>9}{'ssm':>6}{'attn':>6}{'gemm':>6}{'other':>6}{'peak GB':>9}"
+             f"{'attn GB/s':>10}"]
     for r in runs:
         s = r.get("breakdown", {})
         speed = r.get("speedup_vs_eager_fp32")
@@ -309,7 +325,8 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"{r['ms_per_step']:>9.3f}{r['tokens_per_s']:>10.0f}"
             f"{'' if speed is None else f'{speed:.2f}x':>9}"
             + "".join(f"{100 * s[c]:>5.0f}%" if c in s else f"{'':>6}" for c in CLASSES)
-            + (f"{r['peak_memory_gb']:>9.1f}" if "peak_memory_gb" in r else ""))
+            + (f"{r['peak_memory_gb']:>9.1f}" if "peak_memory_gb" in r else f"{'':>9}")
+            + (f"{r['attention_gb_per_s']:>10.0f}" if "attention_gb_per_s" in r else ""))
     for layout, targets in TARGETS.items():
         for mode, target in targets.items():
             got = [r["speedup_vs_eager_fp32"] for r in runs

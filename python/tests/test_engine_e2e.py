@@ -192,3 +192,26 @@ def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
     png = tmp_path / "bench.png"
     assert bench_e2e.main(["--plot", str(out), "--out", str(png)]) == 0
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("void replayssm::cuda::mamba2::(anonymous namespace)::replay_kernel<(replayssm::"
+     "CheckpointPrecision)1>(replayssm::cuda::mamba2::Params)", "ssm"),
+    ("void replayssm::cuda::(anonymous namespace)::commit_kernel(replayssm::cuda::CommitParams)",
+     "ssm"),
+    ("_attention_kernel", "attention"),
+    ("_combine_kernel", "attention"),
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>",
+     "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+     "other"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps<float>>>",
+     "other"),
+])
+def test_kernels_are_classed_by_name(name, cls):
+    from replayssm import bench_e2e
+
+    assert bench_e2e.kernel_class(name) == cls

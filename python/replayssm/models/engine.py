@@ -90,6 +90,7 @@ class StepRunner:
         host[:len(slots)] = torch.tensor(list(slots), dtype=torch.int32)
         self.slot_ids.copy_(host)
 
+    @torch.no_grad()
     def eager_step(self) -> None:
         """The step as plain calls (what the graph captures)."""
         cache, history = self.cache, self.history

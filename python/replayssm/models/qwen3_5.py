@@ -371,7 +371,8 @@ class _GatedDeltaNet(nn.Module):
     def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
                 rope: Any) -> torch.Tensor:
         """A prompt x [n, hidden]: the chunked scan from a zero state, whose final state is
-        loaded into the slot's SSM layer ``layer``."""
+        loaded into the slot's SSM layer ``layer`` (``rope``: the mixers' shared signature;
+        unused here)."""
         mixed = cache.conv_prefill(layer, slot, self.in_proj_qkv(x), *self._conv_args())
         q, k, v = self.split(mixed)
         g, beta = self.gates(x)

@@ -136,10 +136,7 @@ Status gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args, Stream s) {
   bool generic = false;
   REPLAYSSM_RETURN_IF_ERROR(gdn::uses_generic_kernels(l.config, &generic));
   if (generic) return gdn::launch_generic(l, work, to_cuda(s));
-  if (l.config.mode == DecodeMode::kEager) {
-    return l.state_copies() > 1 ? gdn::launch_eager_window(l, args, to_cuda(s))
-                                : gdn::launch_eager(l, args, to_cuda(s));
-  }
+  if (l.config.mode == DecodeMode::kEager) return gdn::launch_eager(l, args, to_cuda(s));
   return gdn::launch_replay(l, work, to_cuda(s));
 }
 

@@ -1,6 +1,6 @@
 #pragma once
 // Host side of the GDN kernels: what gdn_decode.cu (the backend entry points) calls in
-// gdn_eager.cu, gdn_eager_window.cu and gdn_replay.cu, and the launch-shape helpers they share.
+// gdn_eager.cu and gdn_replay.cu, and the launch-shape helpers they share.
 
 #include <cuda_runtime.h>
 
@@ -51,19 +51,10 @@ int generic_smem_bytes(const StateCacheConfig& config, int num_tokens);
 /// moves its own fold cursors (cursors.cuh).
 Status launch_generic(StateCacheLayout& cache, const ReplayWork& work, cudaStream_t stream);
 
-/// The eager kernels' Params and grid (gdn_eager.cu): one CTA per (batch row, key head, slice
-/// of kEagerGranule rows).
-EagerParams eager_params(const StateCacheLayout& cache, const GdnDecodeArgs& args);
-dim3 eager_grid(const EagerParams& params, int batch);
-
-/// Eager decode of one layer on a one-copy cache (max_spec_tokens = 1): the state is updated
-/// in place.
+/// Eager decode of one layer: on a one-copy cache (max_spec_tokens = 1) the state is updated in
+/// place; on a cache with a state copy per draft the window reads the current copy once and
+/// writes the state after each token into its own copy.
 Status launch_eager(StateCacheLayout& cache, const GdnDecodeArgs& args, cudaStream_t stream);
-/// Eager decode of a window of one layer on a cache with a state copy per draft
-/// (max_spec_tokens > 1, gdn_eager_window.cu): the current copy is read once and the state
-/// after each token written into its own copy.
-Status launch_eager_window(StateCacheLayout& cache, const GdnDecodeArgs& args,
-                           cudaStream_t stream);
 
 /// Replay decode of one layer or a fold of layers (ReplayWork), in one launch that also moves
 /// the fold cursors (state_cache/cursors.cuh).

@@ -63,9 +63,6 @@ constexpr int kHeadKDimStep = 16;  ///< K must be a multiple: one 16-byte fp8 ve
 constexpr int kMaxHeadVDim = 128;  ///< a walking warp holds V/32 outputs per lane
 constexpr int kRowLanes = 8;
 constexpr int kRowGroups = kThreads / kRowLanes;  ///< rows a replay CTA touches per access
-constexpr int kEagerRowGroups = kEagerThreads / kRowLanes;  ///< rows an eager CTA touches at once
-/// Rows of one eager CTA, in one pass (each thread holds kEagerRows of them).
-constexpr int kEagerGranule = kEagerRowGroups * kEagerRows;
 using Split = RowSplit<kMaxHeadKDim, kRowLanes>;
 constexpr int kPerLane = Split::kPerLane;  ///< 16 columns of a row per lane
 constexpr int kWalkPerLane = kMaxHeadKDim / 32;

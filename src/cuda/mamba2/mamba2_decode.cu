@@ -106,10 +106,7 @@ Status mamba2_decode(StateCacheLayout& cache, const Mamba2DecodeArgs& a, Stream 
   p.y = a.y;
   // One launch per call: a replay launch moves its own fold cursor (cursors.cuh).
   if (mamba2::uses_generic_kernels(cache.config.mamba2)) return mamba2::launch_generic(p, stream);
-  if (cache.config.mode == DecodeMode::kEager) {
-    return cache.state_copies() > 1 ? mamba2::launch_eager_window(p, stream)
-                                    : mamba2::launch_eager(p, stream);
-  }
+  if (cache.config.mode == DecodeMode::kEager) return mamba2::launch_eager(p, stream);
   return mamba2::launch_replay(p, stream);
 }
 
