@@ -224,15 +224,11 @@ def measure(model_dir: str, windows: list[int], files_root: str, prompt_bytes: i
             new_tokens: int) -> dict[str, Any]:
     """The n-gram drafter's accepted counts on a trained byte-level model over its held-out
     files (module doc)."""
-    from replayssm.models import FAMILIES, load
-    from replayssm.models.qwen3_5 import Qwen35Config, Qwen35Model
+    from replayssm.models import load
 
     with open(os.path.join(model_dir, "config.json")) as f:
         model_type = json.load(f)["model_type"]
-    # The loader's registry may not list the Qwen3.5 family yet.
-    model = (Qwen35Model.from_pretrained(model_dir)
-             if model_type == Qwen35Config.model_type and model_type not in FAMILIES
-             else load(model_dir))
+    model = load(model_dir)
     with open(os.path.join(model_dir, "heldout.txt")) as f:
         names = [line.strip() for line in f if line.strip()]
     prompts, used = [], []

@@ -214,6 +214,7 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.check(self)
 
+    @torch.no_grad()
     def admit(self, prompt: torch.Tensor) -> int:
         """Allocates a slot, prefills ``prompt`` (int64 [n]) and sets its pending token."""
         if prompt.dim() != 1 or not 0 < prompt.numel() <= self.cache.max_seq_len - self.window:
@@ -239,6 +240,7 @@ class SpeculativeDecoder:
             self.drafter.free(slot)
         self.cache.free(slot)
 
+    @torch.no_grad()
     def step(self, slot_ids: torch.Tensor, forced: torch.Tensor | None = None) -> torch.Tensor:
         """One speculative step for ``slot_ids`` (int32 [B], -1 = pad row); returns the tokens
         each row committed (int32 [B], 1..T; pad rows' value is meaningless). ``forced`` (int32
