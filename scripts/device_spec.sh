@@ -21,7 +21,8 @@ log() { echo "[device_spec $(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 finish() { tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"; }
 trap finish EXIT
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$OUT/summary.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+  >>"$OUT/summary.txt" 2>&1
 if [[ " $phases " == *" install "* ]]; then
   msg=$(scripts/device_install.sh "$OUT/logs/pip.log")
   rc=$?
@@ -34,7 +35,9 @@ if [[ " $phases " == *" test "* ]]; then
   start=$(date +%s)
   timeout 180 python3 -m pytest -v --tb=short -rs -p no:cacheprovider -m cuda \
     -o faulthandler_timeout=120 "$root/python/tests/test_speculative.py" >"$OUT/pytest.log" 2>&1
-  log "pytest -m cuda test_speculative.py: rc=$? in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/pytest.log")"
+  rc=$?
+  log "pytest -m cuda test_speculative.py: rc=$rc in $(( $(date +%s) - start )) s:" \
+    "$(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20 | tee -a "$OUT/summary.txt"
 fi
 

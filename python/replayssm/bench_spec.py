@@ -147,11 +147,17 @@ class ForcedAcceptance:
         return row
 
 
-def bench_one(model, layout: str, method: str, batch: int, window: int, probs: list[float],
+def method_mode(method: str, args: argparse.Namespace) -> tuple[str, int]:
+    """The state mode and window of ``method``."""
+    if method == "plain":
+        return args.eager_mode, 1
+    return (args.replay_mode if method == "replay-verify" else args.eager_mode), args.window
+
+
+def bench_one(model, layout: str, method: str, batch: int, probs: list[float],
               args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
-    T = 1 if method == "plain" else window
-    mode = args.replay_mode if method == "replay-verify" else args.eager_mode
+    mode, T = method_mode(method, args)
     parsed = StateMode.parse(mode)
     warm_up = max(2, -(-(1 if parsed.eager else parsed.buffer_len) // T))  # a fold period
     used = (warm_up + 3 + args.steps * args.repeats) * T
@@ -188,12 +194,13 @@ def bench_one(model, layout: str, method: str, batch: int, window: int, probs: l
 
 
 def add_speedups(runs: list[dict[str, Any]]) -> None:
-    for ref_method, key in ((BASELINE, "speedup_vs_per_draft_state"), ("plain", "speedup_vs_plain")):
+    for ref_method, key in ((BASELINE, "speedup_vs_per_draft_state"),
+                            ("plain", "speedup_vs_plain")):
         base = {(r["layout"], r["batch"]): r["accepted_tokens_per_s"]
-                for r in runs if r["method"] == ref_method}
+                for r in runs if r["method"] == ref_method and "error" not in r}
         for r in runs:
             ref = base.get((r["layout"], r["batch"]))
-            r[key] = None if ref is None else r["accepted_tokens_per_s"] / ref
+            r[key] = None if ref is None or "error" in r else r["accepted_tokens_per_s"] / ref
 
 
 def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
@@ -201,6 +208,10 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
              f"{'accepted':>9}{'tok/s':>10}{'vs draft-state':>15}{'vs plain':>9}"
              f"{'MB/request':>11}{'max req':>8}"]
     for r in runs:
+        if "error" in r:
+            lines.append(f"{r['layout']:<17}{r['batch']:>6} {r['method']:<16}{r['mode']:<17}"
+                         f"{r['window']:>2}  {r['error']}")
+            continue
         a, b = r.get("speedup_vs_per_draft_state"), r.get("speedup_vs_plain")
         lines.append(
             f"{r['layout']:<17}{r['batch']:>6} {r['method']:<16}{r['mode']:<17}{r['window']:>2}"
@@ -357,8 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(layout, args.device, dtype)
         for batch, method in configurations:
             t0 = time.perf_counter()
-            runs.append(bench_one(model, layout, method, batch, args.window,
-                                  args.probs[layout], args))
+            try:
+                runs.append(bench_one(model, layout, method, batch, args.probs[layout], args))
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                # A cache that does not fit is a result (per-draft state at large T and batch).
+                mode, T = method_mode(method, args)
+                runs.append(dict(layout=layout, method=method, mode=mode, window=T, batch=batch,
+                                 error="out of memory: " + str(e).splitlines()[0][:120]))
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
             print(f"[bench_spec] {layout} batch {batch} {method}: "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             save()

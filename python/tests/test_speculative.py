@@ -20,7 +20,6 @@ from replayssm.models.nemotron_h import NemotronHConfig, NemotronHModel  # noqa:
 from replayssm.models.speculative import (DraftContext, DraftModelDrafter, Drafter,  # noqa: E402
                                           NgramDrafter, SpeculativeDecoder)
 
-import models_util as mu  # noqa: E402
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
 
 T = 4
