@@ -3,7 +3,7 @@ verify against plain decoding, in the same run and the same harness.
 
     python -m replayssm.bench_spec [--layouts ...] [--batches 16 64 256] [--window 4]
                                    [--acceptance P1 ... PT] [--json FILE]
-    python -m replayssm.bench_spec --measure MODEL_DIR ... [--window 2 ... 8]
+    python -m replayssm.bench_spec --measure MODEL_DIR ... [--measure-windows 2 ... 8]
 
 Methods (each a :class:`~replayssm.models.speculative.SpeculativeDecoder` step captured in a
 CUDA graph: the n-gram drafter on the device, the window's decode through the whole model,
@@ -11,8 +11,8 @@ argmax, acceptance, commit):
 
 - ``replay-verify``: a replay cache (``--replay-mode``, default replay-fp32) verifies windows of
   T tokens from its checkpoint and ring, writing no state; rollback is the commit's cursor.
-- ``per-draft-state``: an eager cache (``--eager-mode``, default eager-fp32, the state dtype
-  serving engines keep for these models) with ``max_spec_tokens = T``: the window writes a
+- ``per-draft-state``: an eager cache (``--eager-mode``, default eager-fp32: fp32 state, as
+  Nemotron-H's configuration asks, ``mamba_ssm_cache_dtype``) with ``max_spec_tokens = T``: the window writes a
   state copy per token and commit selects one, as engines verify drafts today.
 - ``plain``: no speculation, one token per step on the eager cache.
 
@@ -24,15 +24,23 @@ layout's family and T), seeded, one table of ``--steps`` steps replayed on the d
 that depend on the accepted counts (folds, cursors) follow them; the tokens themselves are not
 the greedy ones, which changes nothing in the cost.
 
-``ACCEPTANCE`` was measured with ``--measure`` (the n-gram drafter, ``max_ngram`` 3, lookback
-1024, on the CPU) on two small trained byte-level models (Nemotron-H and Qwen3.5 layouts,
-6-7 M parameters, 1.24 and 1.16 nats/byte on held-out text) over their 33 held-out files of the
-Python standard library's sources (30 found under this machine's Python 3.11 library: the
-models trained on Python 3.12's): per file a prompt of its first 512 bytes, then 256 greedy
-tokens, every step's accepted count recorded (replay-fp32 cache, fp32). Greedy generation of
-such small models repeats itself more than a large model's would, which favours prompt
-lookup: the distribution is optimistic for a 4B model, and the speedup over per-draft state
-depends on it only through the tokens per step, which both methods share.
+``ACCEPTANCE`` was measured with ``--measure`` on the CPU: the n-gram drafter (``max_ngram``
+3, lookback 1024) driving greedy speculative decoding (replay-fp32 cache, fp32) of two small
+trained byte-level models, Nemotron-H and Qwen3.5 layouts of 6.8 M and 6.4 M parameters
+(1.24 and 1.16 nats/byte on their held-out text), over their held-out files of the Python
+standard library's sources (heldout.txt: 33 files; the 28 that exist under Python 3.11's library
+with at least 512 bytes, the models having trained on Python 3.12's): per file a prompt of its
+first 512 bytes, then 256 new tokens, every row-step's accepted count recorded, for each T:
+
+    python -m replayssm.bench_spec --measure DIR/nemotron_h DIR/qwen3_5 \
+        --files-root /usr/lib/python3.11 --measure-windows 2 3 4 5 6 7 8
+
+At T = 4, Nemotron-H accepts 1, 2, 3, 4 tokens in 34%, 5%, 3%, 59% of the steps (mean 2.86),
+Qwen3.5 in 39%, 8%, 3%, 49% (mean 2.63): all or nothing, mostly. Greedy generation of models
+this small repeats itself more than a 4B model's would, which favours prompt lookup: the
+distribution is optimistic for real models. The speedup of replay verify over per-draft state
+depends on it only through the fold and cursor costs (both methods emit the same tokens per
+step); the speedup over plain decoding depends on it directly.
 
 Timing, context. Every row holds ``--context`` tokens of synthetic context laid down as
 bench_e2e does (no prefill). After warm-up steps, ``--repeats`` windows of ``--steps`` steps are
@@ -41,7 +49,7 @@ the median window's mean. Accepted tokens/s = batch x mean accepted per step / m
 
 Memory. Per request: the serving cache's bytes per slot (SSM state cache, conv windows, KV rows
 for ``--request-tokens`` tokens); the maximum concurrent requests is ``--budget-gb`` GiB of
-cache divided by that. Also PyTorch's peak allocation per configuration (weights included).
+cache divided by that (defaults: 8192 tokens, 64 GiB). Also PyTorch's peak allocation per configuration (weights included).
 """
 
 from __future__ import annotations
@@ -69,9 +77,27 @@ METHODS = ("replay-verify", "per-draft-state", "plain")
 BASELINE = "per-draft-state"
 
 #: Row-steps that accepted 1, 2, ..., T tokens, by family and T (module doc: measured).
+#: Mean accepted tokens per step: Nemotron-H 1.75, 2.36, 2.86, 3.30, 3.64, 3.94, 4.16 and
+#: Qwen3.5 1.70, 2.23, 2.63, 2.95, 3.21, 3.41, 3.61 at T = 2 .. 8.
 ACCEPTANCE: dict[str, dict[int, list[int]]] = {
-    "nemotron_h": {4: [854, 123, 63, 1473]},
-    "qwen3_5": {4: [1072, 215, 94, 1349]},
+    "nemotron_h": {
+        2: [1003, 3076],
+        3: [875, 202, 1961],
+        4: [854, 123, 63, 1473],
+        5: [776, 136, 65, 65, 1137],
+        6: [781, 125, 54, 41, 30, 951],
+        7: [771, 115, 35, 62, 21, 28, 798],
+        8: [788, 107, 39, 39, 29, 26, 26, 684],
+    },
+    "qwen3_5": {
+        2: [1253, 2950],
+        3: [1109, 255, 1847],
+        4: [1072, 215, 94, 1349],
+        5: [1050, 187, 85, 64, 1049],
+        6: [1007, 202, 72, 61, 55, 841],
+        7: [1022, 184, 55, 65, 46, 43, 700],
+        8: [990, 181, 62, 51, 43, 40, 22, 607],
+    },
 }
 
 #: The layouts' families, for ACCEPTANCE.
