@@ -136,6 +136,20 @@ def test_draft_model_gives_the_plain_tokens(family_case, mode, draft_mode):
     assert drafter.cache.ssm.free_slots == 3  # generate freed the draft's slots too
 
 
+def test_a_smaller_draft_model_gives_the_plain_tokens(family_case):
+    """A draft of fewer layers and another seed: it rarely agrees, every draft is verified."""
+    family, model, ps, ref = family_case
+    if family == "nemotron_h":
+        draft = NemotronHModel.random(NemotronHConfig.tiny(pattern="M*-"), seed=2)
+    else:
+        draft = qw.Qwen35Model.random(qw.tiny_config(num_hidden_layers=2,
+                                                     layer_types=(qw.LINEAR, qw.FULL)), seed=2)
+    drafter = DraftModelDrafter(draft, ServingCache(draft, 3, MAX_SEQ, "replay-fp32",
+                                                    max_spec_tokens=T))
+    result = decoder(model, "replay-fp32", drafter).generate(ps, NEW_TOKENS)
+    assert result.tokens == [r[:NEW_TOKENS] for r in ref]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_target_as_its_own_draft_model_fills_every_window(family_case, mode):
     """The draft cache stays in step with the target's: a draft model equal to the target
