@@ -55,6 +55,7 @@ cache divided by that (defaults: 8192 tokens, 64 GiB). Also PyTorch's peak alloc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -125,22 +126,9 @@ def acceptance_for(layout: str, window: int, given: list[float] | None) -> list[
 def ssm_bytes_per_slot(cache: ServingCache) -> int:
     """The state cache's bytes per slot: its buffers at capacity 2 minus at capacity 1."""
     config = cache.ssm.config
-
-    def total(capacity: int) -> int:
-        import dataclasses
-
-        c = dataclasses.replace(config, capacity=capacity)
-        return sum(_nbytes(b) for b in replayssm.cache_buffers(c))
-    return total(2) - total(1)
-
-
-def _nbytes(spec: replayssm.BufferSpec) -> int:
-    size = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1,
-            "uint32": 4}[spec.dtype]
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return n * size
+    at = [sum(b.nbytes for b in replayssm.cache_buffers(dataclasses.replace(config, capacity=c)))
+          for c in (1, 2)]
+    return at[1] - at[0]
 
 
 def bytes_per_request(cache: ServingCache, request_tokens: int) -> int:
