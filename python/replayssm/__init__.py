@@ -323,8 +323,7 @@ class StateCache:
         a CUDA cache checks on the device without a host round trip: such rows are skipped,
         and a layer whose position is out of reach gets NaNs (which :meth:`restore` refuses)."""
         if out is None:
-            c = self.config
-            out = self._new_array((len(slot_ids), c.num_layers, *c.state_shape), "float32")
+            out = self._new_states(len(slot_ids))
         self._native.materialize(slot_ids, positions, out, self._array_stream(stream, slot_ids),
                                  None)
         return out
@@ -338,9 +337,7 @@ class StateCache:
         ``config.record_shapes(count)``) or new arrays; returns them. Synchronises the stream
         on CUDA caches."""
         if out is None:
-            out = CacheRecords(*(None if shape is None else self._new_array(shape, dtype)
-                                 for shape, dtype in zip(self.config.record_shapes(count),
-                                                         self._record_dtypes())))
+            out = self._new_records(count)
         self._native.read_records(slot, first, *out, self._array_stream(stream, out.vec), None)
         return out
 
@@ -373,11 +370,11 @@ class StateCache:
         repeated, or the src of another row, and a position out of reach. A CUDA cache checks
         on the device: such rows are skipped (a dst that repeats or is another row's src is not
         detected there)."""
-        allocated = []
-        if dst_slots is None:
-            allocated = [self.allocate(stream=stream) for _ in range(len(src_slots))]
-            dst_slots = self._new_rows(allocated, src_slots)
+        allocated: list[int] = []
         try:
+            if dst_slots is None:
+                allocated += (self.allocate(stream=stream) for _ in range(len(src_slots)))
+                dst_slots = self._new_rows(allocated)
             self._native.fork(src_slots, dst_slots, positions,
                               self._array_stream(stream, src_slots), None)
         except BaseException:
@@ -418,7 +415,7 @@ class StateCache:
 
         return numpy.empty(shape, numpy.uint16 if dtype == "bfloat16" else numpy.dtype(dtype))
 
-    def _new_rows(self, values: list[int], like: Any) -> Any:
+    def _new_rows(self, values: list[int]) -> Any:
         """An int32 [batch] array of `values` where the cache's row lists live."""
         if self.config.device != "cpu":
             raise TypeError("pass dst_slots (an int32 array in the CUDA cache's device "
@@ -427,10 +424,18 @@ class StateCache:
 
         return numpy.array(values, numpy.int32)
 
-    def _record_dtypes(self) -> tuple[str | None, ...]:
-        """CacheRecords' dtypes, field by field (key_scale's is None for Mamba-2)."""
+    def _new_states(self, batch: int) -> Any:
+        """materialize's output for `batch` rows."""
+        c = self.config
+        return self._new_array((batch, c.num_layers, *c.state_shape), "float32")
+
+    def _new_records(self, count: int) -> CacheRecords:
+        """read_records' output for `count` tokens: activations in the input dtype, the rest
+        float32 (no key_scale for Mamba-2)."""
         act = self.config.input_dtype
-        return (act, act, "float32" if self.config.kind == "gdn" else None, "float32", "float32")
+        dtypes = (act, act, "float32", "float32", "float32")
+        return CacheRecords(*(None if shape is None else self._new_array(shape, dtype)
+                              for shape, dtype in zip(self.config.record_shapes(count), dtypes)))
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
         _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,

@@ -137,7 +137,7 @@ class StateCache(_StateCache):
     def _new_array(self, shape: Any, dtype: str) -> torch.Tensor:
         return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=self._buffer_list[0].device)
 
-    def _new_rows(self, values: List[int], like: torch.Tensor) -> torch.Tensor:
+    def _new_rows(self, values: List[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self._buffer_list[0].device)
 
     # The prefix ops: registered ops while Dynamo traces, the library directly otherwise.
@@ -147,8 +147,7 @@ class StateCache(_StateCache):
             return super().materialize(slot_ids, positions, out, stream=stream)
         _no_stream_when_compiling(stream)
         if out is None:
-            c = self.config
-            out = self._new_array((slot_ids.shape[0], c.num_layers, *c.state_shape), "float32")
+            out = self._new_states(slot_ids.shape[0])
         torch.ops.replayssm.materialize(self._id, slot_ids, positions, out, self._buffer_list)
         return out
 
@@ -158,9 +157,7 @@ class StateCache(_StateCache):
             return super().read_records(slot, first, count, out, stream=stream)
         _no_stream_when_compiling(stream)
         if out is None:
-            out = CacheRecords(*(None if shape is None else self._new_array(shape, dtype)
-                                 for shape, dtype in zip(self.config.record_shapes(count),
-                                                         self._record_dtypes())))
+            out = self._new_records(count)
         torch.ops.replayssm.read_records(self._id, slot, first, *out, self._buffer_list)
         return out
 
@@ -278,7 +275,12 @@ def _(cache, slot_ids, buffers):
 
 # ---- the prefix ops ---------------------------------------------------------------------------
 # materialize and read_records only read the cache: their buffers are inputs, so the compiler
-# orders them after every earlier mutation of the cache and before every later one.
+# orders them after every earlier mutation of the cache and before every later one. Like the
+# ops above, none returns anything: their fakes have nothing to build.
+
+def _returns_nothing(*args: Any) -> None:
+    return None
+
 
 @torch.library.custom_op("replayssm::materialize", mutates_args=("out",))
 def _materialize_op(cache: int, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -288,9 +290,7 @@ def _materialize_op(cache: int, slot_ids: torch.Tensor, positions: torch.Tensor,
                                       buffers)
 
 
-@_materialize_op.register_fake
-def _(cache, slot_ids, positions, out, buffers):
-    return None
+_materialize_op.register_fake(_returns_nothing)
 
 
 @torch.library.custom_op("replayssm::read_records",
@@ -303,9 +303,7 @@ def _read_records_op(cache: int, slot: int, first: int, vec: torch.Tensor, key: 
                                        _current_stream(vec), buffers)
 
 
-@_read_records_op.register_fake
-def _(cache, slot, first, vec, key, key_scale, write, decay, buffers):
-    return None
+_read_records_op.register_fake(_returns_nothing)
 
 
 @torch.library.custom_op("replayssm::restore", mutates_args=("buffers",))
@@ -318,9 +316,7 @@ def _restore_op(cache: int, slot: int, position: int, states: torch.Tensor,
                                   _current_stream(states), buffers)
 
 
-@_restore_op.register_fake
-def _(cache, slot, position, states, vec, key, key_scale, write, decay, buffers):
-    return None
+_restore_op.register_fake(_returns_nothing)
 
 
 @torch.library.custom_op("replayssm::fork", mutates_args=("buffers",))
@@ -331,9 +327,7 @@ def _fork_op(cache: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
                                buffers)
 
 
-@_fork_op.register_fake
-def _(cache, src_slots, dst_slots, positions, buffers):
-    return None
+_fork_op.register_fake(_returns_nothing)
 
 
 @torch.library.custom_op("replayssm::truncate", mutates_args=("buffers",))
@@ -343,6 +337,4 @@ def _truncate_op(cache: int, slot_ids: torch.Tensor, positions: torch.Tensor,
     _cache(cache)._native.truncate(slot_ids, positions, _current_stream(slot_ids), buffers)
 
 
-@_truncate_op.register_fake
-def _(cache, slot_ids, positions, buffers):
-    return None
+_truncate_op.register_fake(_returns_nothing)

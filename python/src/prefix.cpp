@@ -101,26 +101,61 @@ CacheRecords read_record_arrays(ArrayReader& reader, const PyCache& self, const 
   return r;
 }
 
+// A batched op's row lists ([batch] in the cache's memory: slot ids, positions, fork's dst
+// slots), read and checked on the way in; then the stream and the cache the op acts on.
+class RowsCall {
+ public:
+  RowsCall(PyCache& self, const char* op, nb::handle slot_ids, const char* name)
+      : self_(self), op_(op) {
+    ids_ = read_rows(reader_, self, slot_ids, op, name, -1);
+    batch = batch_of(ids_.shape[0]);
+  }
+
+  const std::int32_t* ids() const { return static_cast<const std::int32_t*>(ids_.data); }
+  const std::int32_t* slots(nb::handle h, const char* name) {
+    return static_cast<const std::int32_t*>(read_rows(reader_, self_, h, op_, name, batch).data);
+  }
+  const std::uint32_t* positions(nb::handle h) {
+    return static_cast<const std::uint32_t*>(
+        read_rows(reader_, self_, h, op_, "positions", batch, Elem::kPosition).data);
+  }
+  ArrayReader& reader() { return reader_; }
+
+  /// Runs `call(target, stream)`; batched ops only enqueue on CUDA caches.
+  template <typename Call>
+  void run_on(nb::handle stream, nb::handle buffers, Call&& call) {
+    void* s = op_stream(self_, stream, reader_, ids_);
+    std::unique_ptr<StateCache> holder;
+    StateCache& target = op_target(self_, buffers, reader_, op_, s, &holder);
+    run(self_, false, [&] { return call(target, s); });
+  }
+
+  int batch = 0;
+
+ private:
+  PyCache& self_;
+  const char* op_;
+  ArrayReader reader_;
+  Array ids_;
+};
+
 void materialize(PyCache& self, nb::handle slot_ids, nb::handle positions, nb::handle out,
                  nb::handle stream, nb::handle buffers) {
   constexpr const char* op = "materialize";
   require_replay(self, [&] { return state_cache_materialize(*self.cache, {}); });
-  ArrayReader reader;
-  const Array ids = read_rows(reader, self, slot_ids, op, "slot_ids", -1);
-  const Array pos = read_rows(reader, self, positions, op, "positions", ids.shape[0], Elem::kPosition);
-  const Array o = reader.read(out, op, "out", Access::kWrite);
-  const StateDims d = self.config().dims();
-  expect(op, o, Elem::kF32, {ids.shape[0], self.config().num_layers, d.heads, d.rows, d.cols},
-         "([batch, num_layers, heads, rows, cols])", self.config().device, self.device_id);
-  void* s = op_stream(self, stream, reader, ids);
-  std::unique_ptr<StateCache> holder;
-  StateCache& target = op_target(self, buffers, reader, op, s, &holder);
+  RowsCall call(self, op, slot_ids, "slot_ids");
   MaterializeArgs args;
-  args.batch = batch_of(ids.shape[0]);
-  args.slot_ids = static_cast<const std::int32_t*>(ids.data);
-  args.positions = static_cast<const std::uint32_t*>(pos.data);
+  args.batch = call.batch;
+  args.slot_ids = call.ids();
+  args.positions = call.positions(positions);
+  const Array o = call.reader().read(out, op, "out", Access::kWrite);
+  const StateDims d = self.config().dims();
+  expect(op, o, Elem::kF32, {call.batch, self.config().num_layers, d.heads, d.rows, d.cols},
+         "([batch, num_layers, heads, rows, cols])", self.config().device, self.device_id);
   args.states = static_cast<float*>(o.data);
-  run(self, false, [&] { return state_cache_materialize(target, args, s); });
+  call.run_on(stream, buffers, [&](StateCache& target, void* s) {
+    return state_cache_materialize(target, args, s);
+  });
 }
 
 void read_records(PyCache& self, int slot, std::int64_t first, nb::handle vec, nb::handle key,
@@ -167,38 +202,29 @@ void restore(PyCache& self, int slot, std::int64_t position, nb::handle states, 
 
 void fork(PyCache& self, nb::handle src_slots, nb::handle dst_slots, nb::handle positions,
           nb::handle stream, nb::handle buffers) {
-  constexpr const char* op = "fork";
   require_replay(self, [&] { return state_cache_fork(*self.cache, {}); });
-  ArrayReader reader;
-  const Array src = read_rows(reader, self, src_slots, op, "src_slots", -1);
-  const Array dst = read_rows(reader, self, dst_slots, op, "dst_slots", src.shape[0]);
-  const Array pos = read_rows(reader, self, positions, op, "positions", src.shape[0], Elem::kPosition);
-  void* s = op_stream(self, stream, reader, src);
-  std::unique_ptr<StateCache> holder;
-  StateCache& target = op_target(self, buffers, reader, op, s, &holder);
+  RowsCall call(self, "fork", src_slots, "src_slots");
   ForkArgs args;
-  args.batch = batch_of(src.shape[0]);
-  args.src_slots = static_cast<const std::int32_t*>(src.data);
-  args.dst_slots = static_cast<const std::int32_t*>(dst.data);
-  args.positions = static_cast<const std::uint32_t*>(pos.data);
-  run(self, false, [&] { return state_cache_fork(target, args, s); });
+  args.batch = call.batch;
+  args.src_slots = call.ids();
+  args.dst_slots = call.slots(dst_slots, "dst_slots");
+  args.positions = call.positions(positions);
+  call.run_on(stream, buffers, [&](StateCache& target, void* s) {
+    return state_cache_fork(target, args, s);
+  });
 }
 
 void truncate(PyCache& self, nb::handle slot_ids, nb::handle positions, nb::handle stream,
               nb::handle buffers) {
-  constexpr const char* op = "truncate";
   require_replay(self, [&] { return state_cache_truncate(*self.cache, {}); });
-  ArrayReader reader;
-  const Array ids = read_rows(reader, self, slot_ids, op, "slot_ids", -1);
-  const Array pos = read_rows(reader, self, positions, op, "positions", ids.shape[0], Elem::kPosition);
-  void* s = op_stream(self, stream, reader, ids);
-  std::unique_ptr<StateCache> holder;
-  StateCache& target = op_target(self, buffers, reader, op, s, &holder);
+  RowsCall call(self, "truncate", slot_ids, "slot_ids");
   TruncateArgs args;
-  args.batch = batch_of(ids.shape[0]);
-  args.slot_ids = static_cast<const std::int32_t*>(ids.data);
-  args.positions = static_cast<const std::uint32_t*>(pos.data);
-  run(self, false, [&] { return state_cache_truncate(target, args, s); });
+  args.batch = call.batch;
+  args.slot_ids = call.ids();
+  args.positions = call.positions(positions);
+  call.run_on(stream, buffers, [&](StateCache& target, void* s) {
+    return state_cache_truncate(target, args, s);
+  });
 }
 
 }  // namespace
