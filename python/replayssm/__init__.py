@@ -3,8 +3,11 @@
 A :class:`StateCache` holds, for every slot (a decoding sequence) and layer, a checkpoint of the
 recurrent state and a ring of the recent tokens' SSM inputs; :func:`mamba2_decode` and
 :func:`gdn_decode` compute a step's outputs from the two, and :meth:`StateCache.commit` accepts
-the tokens of a (speculative) window. Arrays are passed through DLPack, zero-copy: NumPy arrays
-on the CPU, PyTorch (or CuPy) tensors on either device. ``replayssm.torch`` registers the ops
+the tokens of a (speculative) window. For prefix caching, :meth:`StateCache.materialize`
+gives the exact state at any committed token since the last fold, :meth:`StateCache.restore`
+loads such an entry into a slot, :meth:`StateCache.fork` copies a slot at a position, and
+:meth:`StateCache.truncate` rolls one back. Arrays are passed through DLPack, zero-copy: NumPy
+arrays on the CPU, PyTorch (or CuPy) tensors on either device. ``replayssm.torch`` registers the ops
 with PyTorch (``torch.library``) for CUDA graphs and ``torch.compile``.
 
 Every error raises with the library's message (``ValueError`` for a bad argument,

@@ -82,8 +82,11 @@ CacheRecords read_record_arrays(ArrayReader& reader, const PyCache& self, const 
   r.vec = place(v, act, {layers, count, d.heads, d.rows}, kVec);
   r.key = place(get(key, "key"), act, {layers, count, d.key_heads, d.cols},
                 "([num_layers, count, key_heads, cols])");
-  r.write = static_cast<float*>(place(get(write, "write"), Elem::kF32, {layers, count, d.heads}, kPerHead));
-  r.decay = static_cast<float*>(place(get(decay, "decay"), Elem::kF32, {layers, count, d.heads}, kPerHead));
+  const auto per_head = [&](nb::handle h, const char* name) {
+    return static_cast<float*>(place(get(h, name), Elem::kF32, {layers, count, d.heads}, kPerHead));
+  };
+  r.write = per_head(write, "write");
+  r.decay = per_head(decay, "decay");
   switch (c.kind) {
     case LayerKind::kMamba2:
       if (!key_scale.is_none()) {

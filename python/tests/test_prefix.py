@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import replayssm
-from conftest import (Driver, assert_same_bytes, config, empty_output, from_output, gdn_inputs,
-                      layer_params, mamba2_inputs, snapshot)
+from conftest import (Driver, assert_same_bytes, bf16_bits, bf16_value, config, from_output,
+                      gdn_inputs, layer_params, mamba2_inputs, snapshot)
 from test_decode import BF16_U, export_tolerance, output_tolerance
 
 CHECKPOINTS = ["fp32", "fp32+bf16", "bf16", "fp32+fp8"]
@@ -67,7 +67,11 @@ def cursors(cache, slot):
     return int(folded.max()), int(committed)
 
 
-def state_error(got, ref):
+def i32(*v):
+    return np.array(v, np.int32)
+
+
+def rel_error(got, ref):
     assert np.isfinite(got).all()
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
@@ -136,7 +140,7 @@ def test_materialize_every_position_in_reach(kind, checkpoint, rng):
                 continue
             for layer in range(cfg.num_layers):
                 ref = d.history[layer][i][p]
-                assert state_error(out[row, layer], ref) <= materialize_tolerance(cfg, p), (
+                assert rel_error(out[row, layer], ref) <= materialize_tolerance(cfg, p), (
                     f"slot {d.slots[i]} position {p} layer {layer}")
         seen_positions += len(pairs) - 1
     assert seen_positions > 3 * 14  # windows of more than one position were checked
@@ -154,7 +158,7 @@ def test_materialize_bf16_inputs_and_odd_shapes(kind, rng):
                                       np.arange(lo, hi + 1, dtype=np.int32))
             for j, p in enumerate(range(lo, hi + 1)):
                 for layer in range(cfg.num_layers):
-                    assert state_error(out[j, layer], d.history[layer][i][p]) <= 1e-5
+                    assert rel_error(out[j, layer], d.history[layer][i][p]) <= 1e-5
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
@@ -175,7 +179,6 @@ def test_materialize_at_the_end_is_the_folded_checkpoint(kind, checkpoint, rng):
             exported = d.cache.export_state(layer, slot)
             got = out[i, layer]
             if checkpoint == "bf16":
-                from conftest import bf16_bits, bf16_value
                 got = bf16_value(bf16_bits(got))
             assert np.array_equal(got.view(np.uint32), exported.view(np.uint32))
 
@@ -200,14 +203,14 @@ def test_fork_then_decode_equals_the_source(kind, checkpoint, rng):
         for name, a in base.items():
             np.copyto(cache.buffers[name], a)
         src_before = {n: np.take(a, s, axis=0 if a.ndim == 1 else 1) for n, a in base.items()}
-        got = cache.fork(np.array([s], np.int32), np.array([t], np.int32),
-                         np.array([p], np.int32))
+        got = cache.fork(i32(s), i32(t),
+                         i32(p))
         assert got.tolist() == [t]
         after = snapshot(cache)
         for n, a in after.items():  # the source is only read
             assert np.array_equal(np.take(a, s, axis=0 if a.ndim == 1 else 1), src_before[n]), n
         assert cursors(cache, t) == (lo, p)
-        cache.truncate(np.array([s], np.int32), np.array([p], np.int32))
+        cache.truncate(i32(s), i32(p))
         for _ in range(5):  # past the next fold
             ys = same_inputs_step(cache, [s, t], rng)
             for y in ys:
@@ -292,7 +295,7 @@ def test_restore_then_decode_equals_uninterrupted(kind, checkpoint, rng):
     for p in range(lo, hi + 1):
         for name, a in base.items():
             np.copyto(cache.buffers[name], a)
-        state = cache.materialize(np.array([s], np.int32), np.array([p], np.int32))[0]
+        state = cache.materialize(i32(s), i32(p))[0]
         records = cache.read_records(s, p, hi - p)
         assert records.vec.shape[1] == hi - p
         cache.restore(t, p, state, records)
@@ -300,19 +303,19 @@ def test_restore_then_decode_equals_uninterrupted(kind, checkpoint, rng):
         for _ in range(5):  # past the next fold
             y = same_inputs_step(cache, [s, t], rng)
             for out in y:
-                assert state_error(out[1], out[0]) <= tol
-        m = cache.materialize(np.array([s, t], np.int32), np.full(2, cursors(cache, s)[1], np.int32))
-        assert state_error(m[1], m[0]) <= (3 * BF16_U if bf16 else 1e-5)
+                assert rel_error(out[1], out[0]) <= tol
+        m = cache.materialize(i32(s, t), np.full(2, cursors(cache, s)[1], np.int32))
+        assert rel_error(m[1], m[0]) <= (3 * BF16_U if bf16 else 1e-5)
     # No records: t continues from p = lo, as s truncated to lo does.
     for name, a in base.items():
         np.copyto(cache.buffers[name], a)
-    state = cache.materialize(np.array([s], np.int32), np.array([lo], np.int32))[0]
+    state = cache.materialize(i32(s), i32(lo))[0]
     cache.restore(t, lo, state)
-    cache.truncate(np.array([s], np.int32), np.array([lo], np.int32))
+    cache.truncate(i32(s), i32(lo))
     assert cursors(cache, t) == (lo, lo)
     for _ in range(3):
         for out in same_inputs_step(cache, [s, t], rng):
-            assert state_error(out[1], out[0]) <= tol
+            assert rel_error(out[1], out[0]) <= tol
 
 
 def test_restore_at_other_positions_and_the_oracle(rng):
@@ -356,10 +359,6 @@ def refused(cache, call, error, match, *outs):
     assert_same_bytes(snapshot(cache), before)
     for o, c in zip(outs, copies):
         assert np.array_equal(o.view(np.uint8), c.view(np.uint8))
-
-
-def i32(*v):
-    return np.array(v, np.int32)
 
 
 def test_materialize_refusals(busy):
@@ -480,7 +479,8 @@ def test_fork_and_truncate_refusals(busy):
             r"^state_cache_truncate: row 1: position 3 is out of reach of slot 1")
     refused(cache, lambda: trunc(i32(1, 1), i32(5, 5)), ValueError,
             r"^row 1: slot 1 appears twice in one batch$")
-    refused(cache, lambda: trunc(i32(0, 3), i32(5, 5)), ValueError, r"^row 1: slot 3 is not allocated$")
+    refused(cache, lambda: trunc(i32(0, 3), i32(5, 5)), ValueError,
+            r"^row 1: slot 3 is not allocated$")
     refused(cache, lambda: trunc(i32(0), np.array([5], np.int16)), ValueError,
             r"^truncate: positions has dtype int16, expected int32 \(or uint32\)$")
 
@@ -526,8 +526,8 @@ def test_a_wrong_oracle_is_caught(rng):
     for _ in range(5):
         d.step()
     out = d.cache.materialize(i32(d.slots[0]), i32(5))
-    assert state_error(out[0, 0], d.history[0][0][5]) <= 1e-5
-    assert state_error(out[0, 0], d.history[0][0][4]) > 1e-3
+    assert rel_error(out[0, 0], d.history[0][0][5]) <= 1e-5
+    assert rel_error(out[0, 0], d.history[0][0][4]) > 1e-3
 
 
 # ---- replayssm.torch ---------------------------------------------------------------------------
@@ -563,7 +563,7 @@ def test_torch_cpu_tensors_give_numpy_bytes(rng):
     results[1] = [to_numpy(a) for a in results[1]]
     for a, b in zip(*results):
         assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    assert_same_bytes(tensor_snapshot(caches[1]), {k: np.array(v) for k, v in caches[0].buffers.items()})
+    assert_same_bytes(tensor_snapshot(caches[1]), snapshot(caches[0]))
 
 
 def prefix_step(cache, ids, positions, entry_slot, entry_position, truncate_to):
@@ -665,7 +665,7 @@ def test_cuda_prefix_ops_match_the_cpu(kind, checkpoint, rng):
     for row, (i, p) in enumerate(pairs):
         for layer in range(cfg.num_layers):
             ref = d.history[layer][i][p]
-            assert state_error(out[row, layer], ref) <= (
+            assert rel_error(out[row, layer], ref) <= (
                 materialize_tolerance(cfg, p) + cuda_vs_cpu_tolerance(cfg))
     # Out of reach on the device: NaN, nothing else written; a slot out of range: skipped.
     s0 = d.slots[0]
@@ -679,20 +679,21 @@ def test_cuda_prefix_ops_match_the_cpu(kind, checkpoint, rng):
     d.max_error = 0.0
     for _ in range(3):
         d.step()
-    tol = output_tolerance(cfg, 12) + cuda_vs_cpu_tolerance(cfg)
+    tol = output_tolerance(cfg, 24) + cuda_vs_cpu_tolerance(cfg)  # up to 20 tokens by the end
     assert d.max_error <= tol
-    s1 = d.slots[1]
+    s1, copy = d.slots[1], d.cache.allocate()
     end = int(to_numpy(d.cache.buffers["committed"]).view(np.uint32)[s1])
-    d.cache.fork(arr(i32(s1)), arr(i32(3)), arr(i32(end)))
+    d.cache.fork(arr(i32(s1)), arr(i32(copy)), arr(i32(end)))
     entry = d.cache.materialize(arr(i32(s1)), arr(i32(end)))[0]
     d.cache.restore(d.slots[2], end, entry)
     d.set_position(2, end, source=1)
-    d.slots[0] = 3
+    d.slots[0] = copy
     d.set_position(0, end, source=1)
     d.max_error = 0.0
     for _ in range(5):
         d.step()
-    assert d.max_error <= tol
+    # A bf16 checkpoint was rounded once more by the restore.
+    assert d.max_error <= tol + (BF16_U if checkpoint == "bf16" else 0.0)
 
 
 @pytest.mark.cuda
@@ -702,13 +703,12 @@ def test_cuda_graph_of_materialize_fork_truncate(kind, rng):
     the bytes of the same calls made eagerly."""
     torch = _cuda()
     import replayssm.torch as rt
-    from test_torch import tensor_snapshot
+    from test_torch import tensor_snapshot, torch_array
     cfg = config(kind, num_layers=2, buffer_len=4, capacity=4, device="cuda")
     eager, graphed = rt.StateCache(cfg), rt.StateCache(cfg)
     for cache in (eager, graphed):
         for _ in range(4):
             cache.allocate()
-    from test_torch import torch_array
 
     def feed(cache, seed):
         g = np.random.default_rng(seed)
@@ -739,7 +739,8 @@ def test_cuda_graph_of_materialize_fork_truncate(kind, rng):
         cache.fork(src, dst, positions)
         cache.truncate(ids, positions)
 
-    ops(graphed, out)  # first launches outside the capture
+    ops(graphed, out)  # first launches outside the capture, on both caches alike
+    ops(eager, torch.empty_like(out))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops(graphed, out)
@@ -787,7 +788,8 @@ def test_cuda_torch_compile_of_prefix_ops(rng):
 
 
 def prefix_step_cuda(cache, ids, positions, truncate_to):
-    import torch
+    """prefix_step without restore (it synchronises; fine under torch.compile, but the point
+    here is the graph of the device-side ops)."""
     states = cache.materialize(ids, positions)
     cache.fork(ids[:1], ids[:1] + 2, positions[:1])
     cache.truncate(ids[1:], truncate_to)
