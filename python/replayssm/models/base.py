@@ -1,0 +1,387 @@
+"""What every hybrid model family shares: the state-mode switch, the per-sequence serving cache
+(SSM state cache, causal-conv windows, static KV cache, committed lengths) and the interface a
+family implements (prefill, decode, commit, step).
+
+Rows and slots. A decode takes ``slot_ids`` (int32 [B] on the model's device; -1 = a pad row
+that keeps the batch's shape). Every slot-indexed tensor here has ``capacity + 1`` rows: row
+``capacity`` is a scratch row that pad rows read and write, so a pad row needs no branch and
+touches no live sequence; its committed length stays 0.
+
+Positions. ``lengths[slot]`` counts the tokens committed to a slot; token ``t`` of a decode
+window sits at position ``lengths[slot] + t``. A decode writes the window's keys and values and
+conv inputs at those positions but commits nothing; ``commit`` advances ``lengths`` (and the SSM
+cache), so rejected tokens of a speculative window are simply overwritten by the next window.
+
+Conv windows. Each SSM layer keeps the inputs of its causal conv1d in a per-slot ring of
+``conv_kernel - 1 + max_spec_tokens`` token rows, the token at position ``p`` in ring row
+``p % ring``. A window reads positions ``[lengths - (kernel - 1), lengths + T)``: distinct ring
+rows, none overwritten by a pending token (pending positions are at most ``ring - (kernel - 1)``
+past the committed end) and, for a young sequence, the never-written rows that stand for the
+zeros before position 0. So committing costs nothing beyond ``lengths += accepted``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import replayssm
+import replayssm.torch as rt
+
+__all__ = ["CacheLayout", "DecodeContext", "HybridModel", "ServingCache", "StateMode",
+           "causal_attention", "reference_decode_attention"]
+
+_EAGER_PRECISIONS = ("fp32", "bf16")
+_REPLAY_PRECISIONS = ("fp32", "bf16", "fp32+bf16", "fp32+fp8")
+_DEFAULT_BUFFER_LEN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMode:
+    """How the SSM state is kept: ``eager`` (the state itself, written every token, in fp32 or
+    bf16) or ``replay`` (a checkpoint in ``fp32``, ``bf16``, ``fp32+bf16`` or ``fp32+fp8`` plus a
+    ring of recent inputs folded every ``buffer_len`` tokens)."""
+
+    kind: str
+    precision: str
+    buffer_len: int = _DEFAULT_BUFFER_LEN
+
+    #: Every mode by name, in the order benchmarks list them.
+    NAMES = ("eager-fp32", "eager-bf16", "replay-fp32", "replay-bf16", "replay-fp32+bf16",
+             "replay-fp32+fp8")
+
+    def __post_init__(self) -> None:
+        allowed = {"eager": _EAGER_PRECISIONS, "replay": _REPLAY_PRECISIONS}.get(self.kind)
+        if allowed is None:
+            raise ValueError(f"unknown state mode kind {self.kind!r}; choose eager or replay")
+        if self.precision not in allowed:
+            raise ValueError(f"unknown {self.kind} precision {self.precision!r}; choose "
+                             f"{', '.join(allowed)}")
+        if self.buffer_len < 1:
+            raise ValueError(f"buffer_len must be positive, got {self.buffer_len}")
+        if self.kind == "eager" and self.buffer_len != _DEFAULT_BUFFER_LEN:
+            raise ValueError("an eager mode has no buffer length (':L' is for replay modes)")
+
+    @classmethod
+    def parse(cls, text: "str | StateMode") -> "StateMode":
+        """``"eager-fp32"``, ..., ``"replay-fp32+fp8"``, optionally ``":L"`` for buffer_len."""
+        if isinstance(text, StateMode):
+            return text
+        m = re.fullmatch(r"(eager|replay)-([a-z0-9+]+)(?::(\d+))?", str(text).strip())
+        if m is None:
+            raise ValueError(f"unknown state mode {text!r}; choose one of "
+                             f"{', '.join(cls.NAMES)} (replay modes take ':L' for buffer_len)")
+        kind, precision, buffer_len = m.groups()
+        return cls(kind, precision, int(buffer_len) if buffer_len else _DEFAULT_BUFFER_LEN)
+
+    def __str__(self) -> str:
+        suffix = f":{self.buffer_len}" if self.buffer_len != _DEFAULT_BUFFER_LEN else ""
+        return f"{self.kind}-{self.precision}{suffix}"
+
+    @property
+    def eager(self) -> bool:
+        return self.kind == "eager"
+
+    def max_window(self, max_spec_tokens: int) -> int:
+        """The longest decode window this mode takes: eager state advances one token at a time."""
+        return 1 if self.eager else max_spec_tokens
+
+    def cache_config(self, kind: str, dims: dict[str, int], num_layers: int, capacity: int,
+                     max_spec_tokens: int, input_dtype: Any, device: Any) -> replayssm.CacheConfig:
+        """The state cache's configuration for ``num_layers`` layers of ``kind`` ("mamba2" or
+        "gdn") with ``dims`` (the layer's CacheConfig dimensions)."""
+        device = torch.device(device).type
+        if self.eager:
+            return replayssm.CacheConfig(
+                kind=kind, capacity=capacity, num_layers=num_layers, mode="eager",
+                state_dtype="float32" if self.precision == "fp32" else "bfloat16",
+                input_dtype=input_dtype, device=device, **dims)
+        return replayssm.CacheConfig(
+            kind=kind, capacity=capacity, num_layers=num_layers, mode="replay",
+            checkpoint=self.precision, buffer_len=self.buffer_len,
+            max_spec_tokens=max_spec_tokens, input_dtype=input_dtype, device=device, **dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """What a model keeps per sequence, as :class:`ServingCache` sizes it."""
+
+    ssm_kind: str                 # "mamba2" or "gdn"
+    ssm_dims: dict[str, int]      # the CacheConfig dimensions of one SSM layer
+    num_ssm_layers: int
+    conv_channels: int            # channels of each SSM layer's causal conv1d
+    conv_kernel: int
+    num_attn_layers: int
+    kv_heads: int
+    head_dim: int
+    device: torch.device
+    dtype: torch.dtype            # activations: the KV cache, conv windows and SSM inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeContext:
+    """One decode call's indices, computed once and used by every layer (all on the device)."""
+
+    slot_ids: torch.Tensor   # int32 [B], -1 = pad row
+    rows: torch.Tensor       # int64 [B]: cache rows (pad rows -> the scratch row)
+    rows32: torch.Tensor     # int32 [B]: the same, as decode_attention takes them
+    lengths: torch.Tensor    # int32 [B]: tokens committed to each row before the window
+    positions: torch.Tensor  # int64 [B, T]: the window's positions (clamped to max_seq_len - 1)
+    conv_write: torch.Tensor  # int64 [B * T]: the window's rows in a layer's flat conv ring
+    conv_read: torch.Tensor   # int64 [B * (kernel - 1 + T)]: the rows the conv reads
+    T: int
+
+
+class ServingCache:
+    """Everything ``model`` keeps per sequence, slot-indexed, on the model's device.
+
+    - ``ssm``: one :class:`replayssm.torch.StateCache` over the model's SSM layers, in ``mode``.
+    - ``conv``: [n_ssm, capacity + 1, ring, conv_channels], the conv inputs' rings (module doc).
+    - ``k``, ``v``: [n_attn, capacity + 1, kv_heads, max_seq_len, head_dim], static KV cache.
+    - ``lengths``: int32 [capacity + 1], committed tokens per row (the scratch row's stays 0).
+
+    A sequence past ``max_seq_len`` tokens keeps overwriting its last KV position (the index
+    is clamped on the device, so a step never faults): the engine stops it before that.
+    """
+
+    def __init__(self, model: "HybridModel", capacity: int, max_seq_len: int,
+                 mode: "str | StateMode", max_spec_tokens: int = 1) -> None:
+        if capacity < 1 or max_seq_len < 1 or max_spec_tokens < 1:
+            raise ValueError(f"capacity ({capacity}), max_seq_len ({max_seq_len}) and "
+                             f"max_spec_tokens ({max_spec_tokens}) must be positive")
+        self.mode = StateMode.parse(mode)
+        layout = model.cache_layout()
+        self.layout = layout
+        self.capacity, self.max_seq_len = capacity, max_seq_len
+        self.max_spec_tokens = max_spec_tokens
+        self.pad_row = capacity
+        self.device, self.dtype = layout.device, layout.dtype
+        self.ssm = rt.StateCache(self.mode.cache_config(
+            layout.ssm_kind, layout.ssm_dims, layout.num_ssm_layers, capacity, max_spec_tokens,
+            layout.dtype, layout.device), device=layout.device)
+        self.conv_ring = layout.conv_kernel - 1 + max_spec_tokens
+        self.conv = torch.zeros(layout.num_ssm_layers, capacity + 1, self.conv_ring,
+                                layout.conv_channels, dtype=layout.dtype, device=layout.device)
+        kv_shape = (layout.num_attn_layers, capacity + 1, layout.kv_heads, max_seq_len,
+                    layout.head_dim)
+        self.k = torch.zeros(kv_shape, dtype=layout.dtype, device=layout.device)
+        self.v = torch.zeros(kv_shape, dtype=layout.dtype, device=layout.device)
+        self.lengths = torch.zeros(capacity + 1, dtype=torch.int32, device=layout.device)
+        self._conv_taps = torch.arange(-(layout.conv_kernel - 1), max_spec_tokens,
+                                       device=layout.device)
+        self._window = torch.arange(max_spec_tokens, device=layout.device)
+
+    def __repr__(self) -> str:
+        return (f"ServingCache({self.mode}, capacity={self.capacity}, "
+                f"max_seq_len={self.max_seq_len}, max_spec_tokens={self.max_spec_tokens}, "
+                f"free={self.ssm.free_slots})")
+
+    @property
+    def max_window(self) -> int:
+        """The longest decode window (1 in eager modes)."""
+        return self.mode.max_window(self.max_spec_tokens)
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    def allocate(self) -> int:
+        """A free slot with an empty history (zero state, zero conv window, length 0)."""
+        slot = self.ssm.allocate()
+        self.conv[:, slot].zero_()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.ssm.free(slot)
+        self.lengths[slot] = 0
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.capacity or not self.ssm.is_allocated(slot):
+            raise ValueError(f"slot {slot} is not an allocated slot of this cache")
+
+    # ---- decode indices -----------------------------------------------------------------------
+
+    def rows(self, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Cache rows (int64) of ``slot_ids``: pad rows (-1) map to the scratch row."""
+        return torch.where(slot_ids < 0, self.pad_row, slot_ids).long()
+
+    def decode_context(self, slot_ids: torch.Tensor, T: int) -> DecodeContext:
+        """The indices of a T-token decode of ``slot_ids``; refuses what the mode cannot do
+        (shapes only: no device value is read)."""
+        if T > self.max_window:
+            if self.mode.eager:
+                raise NotImplementedError(
+                    f"{self.mode} decodes one token at a time; windows of T = {T} tokens need "
+                    "the per-draft-state path (an eager state per draft token), which this "
+                    "cache does not have: use a replay mode")
+            raise ValueError(f"a window of {T} tokens exceeds this cache's max_spec_tokens "
+                             f"({self.max_spec_tokens})")
+        if slot_ids.dtype != torch.int32 or slot_ids.dim() != 1:
+            raise ValueError(f"slot_ids must be int32 [batch], got {slot_ids.dtype} "
+                             f"{tuple(slot_ids.shape)}")
+        rows = self.rows(slot_ids)
+        lengths = self.lengths[rows]
+        base = lengths.long()
+        positions = (base[:, None] + self._window[:T]).clamp_(max=self.max_seq_len - 1)
+        ring_base = rows[:, None] * self.conv_ring
+        conv_write = (ring_base + (base[:, None] + self._window[:T]) % self.conv_ring).reshape(-1)
+        taps = self._conv_taps[: self.layout.conv_kernel - 1 + T]
+        conv_read = (ring_base + (base[:, None] + taps) % self.conv_ring).reshape(-1)
+        return DecodeContext(slot_ids, rows, rows.int(), lengths, positions, conv_write,
+                             conv_read, T)
+
+    # ---- causal conv1d ------------------------------------------------------------------------
+
+    def conv_prefill(self, layer: int, slot: int, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
+        """The causal conv1d of a fresh slot's prompt ``x`` [n, C] (zeros before position 0)
+        with ``weight`` [C, kernel]; keeps the prompt's last inputs in the slot's ring.
+        Returns [n, C] in x's dtype."""
+        n, K = x.shape[0], weight.shape[-1]
+        out = F.conv1d(x.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias,
+                       padding=K - 1, groups=x.shape[1])[0, :, :n]
+        keep = min(n, self.conv_ring)
+        ring = self.conv[layer, slot]
+        ring.zero_()
+        ring[torch.arange(n - keep, n, device=x.device) % self.conv_ring] = x[n - keep:].to(ring.dtype)
+        return _activate(out, activation).t().to(x.dtype)
+
+    def conv_decode(self, layer: int, ctx: DecodeContext, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
+        """The causal conv1d of a decode window ``x`` [B, T, C] over each row's ring (written
+        here, committed by ``lengths``). Returns [B, T, C] in x's dtype."""
+        B, T, C = x.shape
+        K = weight.shape[-1]
+        flat = self.conv[layer].view(-1, C)
+        flat.index_copy_(0, ctx.conv_write, x.reshape(B * T, C).to(flat.dtype))
+        window = flat.index_select(0, ctx.conv_read).view(B, K - 1 + T, C).to(weight.dtype)
+        out = window[:, 0:T] * weight[:, 0]
+        for k in range(1, K):
+            out = out + window[:, k:k + T] * weight[:, k]
+        if bias is not None:
+            out = out + bias
+        return _activate(out, activation).to(x.dtype)
+
+    # ---- attention ----------------------------------------------------------------------------
+
+    def kv_prefill(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes a prompt's keys and values [n, kv_heads, head_dim] at positions [0, n)."""
+        n = k.shape[0]
+        if n > self.max_seq_len:
+            raise ValueError(f"a prompt of {n} tokens exceeds max_seq_len ({self.max_seq_len})")
+        self.k[layer, slot, :, :n] = k.transpose(0, 1).to(self.dtype)
+        self.v[layer, slot, :, :n] = v.transpose(0, 1).to(self.dtype)
+
+    def kv_decode(self, layer: int, ctx: DecodeContext, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+        """Writes a window's keys and values [B, T, kv_heads, head_dim] at its positions."""
+        r = ctx.rows[:, None]
+        self.k[layer][r, :, ctx.positions] = k.to(self.dtype)
+        self.v[layer][r, :, ctx.positions] = v.to(self.dtype)
+
+    def attend(self, layer: int, ctx: DecodeContext, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of a window's queries q [B, T, Hq, head_dim] (after kv_decode) over each
+        row's keys [0, lengths + t]: the engine's decode_attention where present."""
+        return _decode_attention()(q, self.k[layer], self.v[layer], ctx.rows32, ctx.lengths, scale)
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation == "silu":
+        return F.silu(x)
+    raise ValueError(f"unsupported conv activation {activation!r}; choose 'silu' or None")
+
+
+def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_rows: torch.Tensor, lengths: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Plain-torch decode attention: q [B, T, Hq, D]; k_cache, v_cache [rows, Hkv, S, D];
+    slot_rows, lengths int32 [B]; query t of row b sees keys [0, lengths[b] + t]. Softmax in
+    fp32; returns [B, T, Hq, D] in q's dtype. Reads the whole key axis (masked): a reference."""
+    B, T, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache[slot_rows.long()].repeat_interleave(Hq // Hkv, dim=1).float()
+    v = v_cache[slot_rows.long()].repeat_interleave(Hq // Hkv, dim=1).float()
+    scores = torch.einsum("bthd,bhsd->bhts", q.float(), k) * scale
+    last = lengths.long()[:, None] + torch.arange(T, device=q.device)
+    visible = torch.arange(S, device=q.device) <= last[:, :, None]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("bhts,bhsd->bthd", scores.softmax(-1), v).to(q.dtype)
+
+
+def _decode_attention():
+    """The engine's decode_attention (attention.py) when this tree has it, else the reference."""
+    try:
+        from .attention import decode_attention
+    except ImportError:
+        return reference_decode_attention
+    return decode_attention
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """A prompt's causal self-attention: q [n, Hq, D], k, v [n, Hkv, D] (GQA) -> [n, Hq, D]."""
+    rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(rep, dim=1).transpose(0, 1),
+        v.repeat_interleave(rep, dim=1).transpose(0, 1), is_causal=True, scale=scale)
+    return out.transpose(0, 1)
+
+
+class HybridModel(torch.nn.Module, abc.ABC):
+    """A hybrid decoder (SSM mixers, attention, MLP) served from a :class:`ServingCache`.
+
+    Families implement ``cache_layout``, ``prefill``, ``decode``, ``random`` and
+    ``from_pretrained``; ``commit`` and ``step`` are shared. ``decode`` and ``step`` do no host
+    sync and have no data-dependent shapes, so an engine can capture them in a CUDA graph.
+    """
+
+    @abc.abstractmethod
+    def cache_layout(self) -> CacheLayout:
+        """What a ServingCache for this model holds."""
+
+    @abc.abstractmethod
+    def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole prompt ``tokens`` (int64 [n]) of a freshly allocated slot: fills its KV rows
+        [0, n), conv ring and SSM state (loaded into ``cache.ssm``), sets ``lengths[slot] = n``;
+        returns the logits [n, vocab] (float32)."""
+
+    @abc.abstractmethod
+    def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
+               tokens: torch.Tensor) -> torch.Tensor:
+        """A window of ``tokens`` (int64 [B, T]) for the rows ``slot_ids`` (int32 [B], -1 = pad
+        row), token t at position ``lengths[slot] + t``; commits nothing. Returns the logits
+        [B, T, vocab] (float32)."""
+
+    def commit(self, cache: ServingCache, slot_ids: torch.Tensor,
+               accepted: torch.Tensor) -> None:
+        """Accepts the first ``accepted[b]`` (int32 [B]) tokens of the last window of each row:
+        the SSM cache commits them and ``lengths`` advances (the conv rings and KV rows already
+        hold them; the rest are overwritten by the next window)."""
+        cache.ssm.commit(slot_ids, accepted)
+        advance = torch.where(slot_ids < 0, 0, accepted)
+        cache.lengths.index_add_(0, cache.rows(slot_ids), advance)
+
+    def step(self, cache: ServingCache, slot_ids: torch.Tensor,
+             tokens: torch.Tensor) -> torch.Tensor:
+        """One decoding step: ``tokens`` (int64 [B]) decoded and committed; logits [B, vocab]."""
+        logits = self.decode(cache, slot_ids, tokens[:, None])
+        self.commit(cache, slot_ids, torch.ones_like(slot_ids))
+        return logits[:, 0]
+
+    @classmethod
+    @abc.abstractmethod
+    def random(cls, config: Any, seed: int = 0, device: Any = "cpu",
+               dtype: torch.dtype = torch.float32) -> "HybridModel":
+        """A model of ``config`` with seeded random weights."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_pretrained(cls, path: Any, device: Any = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "HybridModel":
+        """A model from a Hugging Face model directory (config.json + safetensors)."""

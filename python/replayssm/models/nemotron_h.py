@@ -1,0 +1,526 @@
+"""The Nemotron-H family (Nemotron-H, Nemotron-Nano-v2, Nemotron-3-Nano-4B): the computation of
+transformers' ``NemotronHForCausalLM`` (5.17), with its weight names, served from a
+:class:`ServingCache`.
+
+A stack of pre-norm residual blocks, one mixer each, in the order of the layer pattern
+(``hybrid_override_pattern``: ``M`` Mamba-2, ``*`` attention, ``-`` MLP; ``E`` MoE is refused):
+
+- Mamba-2: ``in_proj`` -> (z, xBC, dt); causal depthwise conv1d + SiLU over xBC -> (x, B, C);
+  SSM with A = -exp(A_log), softplus(dt + dt_bias), D skip; RMSNorm of y * silu(z) by groups
+  (``n_groups`` groups, gate before norm); ``out_proj``.
+- attention: q/k/v/o projections without bias, GQA, scale head_dim^-0.5, causal, and no
+  positional embedding at all (no rotary: the Mamba layers carry position).
+- MLP: ``down_proj(relu(up_proj(x))^2)``.
+- RMSNorm (fp32 statistics) before each mixer and at the end (``norm_f``), then ``lm_head``.
+
+Prefill runs the SSM by a chunked scan in fp32 (below) and loads each layer's final state into
+the state cache; decode runs ``replayssm.mamba2_decode``, which applies the gate: its
+``(y + D x) * silu(z)`` is the gated norm's input, so only the group RMSNorm stays in torch.
+
+One difference transformers has between its own two paths is kept: its prefill clamps the
+softplus'd dt at ``time_step_min`` (the mixer's ``time_step_limit``), its decode does not
+(nor does our decode op). It only binds where softplus(dt + dt_bias) < time_step_min.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import replayssm
+
+from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
+from .loader import check_tensors, read_config, read_tensors
+
+__all__ = ["NemotronHConfig", "NemotronHModel", "ssd_chunk_scan"]
+
+# Layer pattern characters, and the layer type names configs use for them (transformers 5.17's
+# and the hub's older ones).
+_MAMBA_LAYER, _ATTENTION_LAYER, _MLP_LAYER, _MOE_LAYER = "M", "*", "-", "E"
+_TYPE_NAMES = {"mamba": _MAMBA_LAYER, "linear_attention": _MAMBA_LAYER, "attention": _ATTENTION_LAYER,
+               "full_attention": _ATTENTION_LAYER, "mlp": _MLP_LAYER, "moe": _MOE_LAYER}
+# Older config.json field names transformers still reads.
+_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
+            "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
+            "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+            "mamba_chunk_size": "chunk_size"}
+
+
+@dataclasses.dataclass
+class NemotronHConfig:
+    """A Nemotron-H layout, with the field names of transformers' NemotronHConfig (5.17);
+    ``pattern`` is its ``hybrid_override_pattern``."""
+
+    model_type: ClassVar[str] = "nemotron_h"
+
+    vocab_size: int
+    hidden_size: int
+    pattern: str
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    use_bias: bool = False        # in_proj and out_proj of the Mamba mixers
+    mlp_bias: bool = False
+    layer_norm_epsilon: float = 1e-5
+    time_step_min: float = 0.001  # prefill's dt floor; also the dt_bias init range
+    time_step_max: float = 0.1
+    time_step_floor: float = 1e-4
+    chunk_size: int = 128
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.pattern) - {_MAMBA_LAYER, _ATTENTION_LAYER, _MLP_LAYER, _MOE_LAYER})
+        if unknown or not self.pattern:
+            raise ValueError(f"layer pattern {self.pattern!r}: each layer is one of 'M' "
+                             "(Mamba-2), '*' (attention), '-' (MLP)")
+        if _MOE_LAYER in self.pattern:
+            raise NotImplementedError(
+                f"layer pattern {self.pattern!r} has MoE layers ('E'), which this family does "
+                "not implement (the dense layouts served here have none)")
+        if _MAMBA_LAYER not in self.pattern:
+            raise ValueError(f"layer pattern {self.pattern!r} has no Mamba-2 layer")
+        if self.mamba_num_heads % self.n_groups:
+            raise ValueError(f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of "
+                             f"n_groups ({self.n_groups})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+
+    # ---- derived sizes ------------------------------------------------------------------------
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.pattern)
+
+    @property
+    def mamba_intermediate(self) -> int:
+        """Width of x, z and y: heads * head_dim (not expand * hidden_size)."""
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv1d: x, B and C."""
+        return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
+
+    # ---- config.json --------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "NemotronHConfig":
+        """From a config.json dict (``hybrid_override_pattern`` or ``layers_block_type``; older
+        field names as transformers reads them). Refuses activations other than the family's."""
+        if d.get("model_type", cls.model_type) != cls.model_type:
+            raise ValueError(f"model_type {d.get('model_type')!r} is not {cls.model_type!r}")
+        d = {_ALIASES.get(k, k): v for k, v in d.items()}
+        for field, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            if d.get(field, want) != want:
+                raise NotImplementedError(f"{field} {d[field]!r}: this family computes {want}")
+        if "layers_block_type" in d and d["layers_block_type"] is not None:
+            try:
+                pattern = "".join(_TYPE_NAMES[t] for t in d["layers_block_type"])
+            except KeyError as e:
+                raise ValueError(f"unknown layer type {e.args[0]!r} in layers_block_type") from None
+        elif "hybrid_override_pattern" in d:
+            pattern = d["hybrid_override_pattern"]
+        else:
+            raise ValueError("config has neither hybrid_override_pattern nor layers_block_type")
+        names = {f.name for f in dataclasses.fields(cls)} - {"pattern"}
+        return cls(pattern=pattern, **{k: v for k, v in d.items() if k in names})
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that transformers' NemotronHConfig(**d) takes."""
+        d = dataclasses.asdict(self)
+        d["hybrid_override_pattern"] = d.pop("pattern")
+        d.update(model_type=self.model_type, architectures=["NemotronHForCausalLM"],
+                 mlp_hidden_act="relu2", mamba_hidden_act="silu",
+                 num_hidden_layers=self.num_hidden_layers)
+        return d
+
+    # ---- presets ------------------------------------------------------------------------------
+
+    @classmethod
+    def nano4b(cls) -> "NemotronHConfig":
+        """The layout of NVIDIA-Nemotron-3-Nano-4B (dense: Mamba-2, attention, MLP; no MoE).
+
+        Numbers from the model's public config.json (nvidia/NVIDIA-Nemotron-3-Nano-4B-BF16),
+        as reproduced by several public projects' tests and configs, which agree: vocab_size
+        131072, hidden_size 3136, 42 layers with hybrid_override_pattern
+        "M-M-M-MM-M-M*-M-M*-M-M-M*-M-M-MM*-MMM-M-M-" (21 Mamba-2, 4 attention, 17 MLP),
+        intermediate_size 12544 (relu2), mamba_num_heads 96 x mamba_head_dim 80 (d_inner 7680),
+        ssm_state_size 128, n_groups 8, conv_kernel 4, chunk_size 256, use_conv_bias true,
+        mamba_proj_bias false, 40 attention heads, 8 KV heads, head_dim 128, attention_bias
+        false, tie_word_embeddings false. This is the Mamba-2 shape the layer benchmark calls
+        nano4b (96 x 80 x 128, 8 groups).
+
+        Assumed (not in those excerpts; transformers' defaults, which the family's other public
+        configs also use): layer_norm_epsilon 1e-5, time_step_min 0.001, time_step_max 0.1,
+        time_step_floor 1e-4, use_bias false (the Mamba projections), mlp_bias false. Only
+        time_step_min changes results (prefill's dt floor); the rest are the values or the
+        initialisation of random weights.
+        """
+        return cls(vocab_size=131072, hidden_size=3136,
+                   pattern="M-M-M-MM-M-M*-M-M*-M-M-M*-M-M-MM*-MMM-M-M-",
+                   intermediate_size=12544, num_attention_heads=40, num_key_value_heads=8,
+                   head_dim=128, mamba_num_heads=96, mamba_head_dim=80, ssm_state_size=128,
+                   n_groups=8, conv_kernel=4, use_conv_bias=True, chunk_size=256)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "NemotronHConfig":
+        """A test layout: every layer kind twice or more, grouped heads (4 heads per group, 2 per
+        KV head), a chunk size below a test prompt's length so prefill crosses chunks."""
+        fields = dict(vocab_size=128, hidden_size=64, pattern="M*-M-M*-", intermediate_size=96,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2,
+                      chunk_size=8)
+        fields.update(overrides)
+        return cls(**fields)
+
+
+# ---- the chunked scan ---------------------------------------------------------------------
+
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   C: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's SSM over a whole sequence from a zero state, in chunks (fp32):
+    S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t (no D term).
+
+    x [n, H, P]; dt [n, H] (after bias, softplus and clamp); A [H]; B, C [n, G, N]. Within a
+    chunk the outputs are a masked product (decays exp(cum_i - cum_j) for j <= i); across chunks
+    a sequential pass carries the state. Returns y [n, H, P] and the final state [H, P, N]."""
+    n, H, P = x.shape
+    G, N = B.shape[1:]
+    Q = chunk_size
+    pad = -n % Q
+    B = B.repeat_interleave(H // G, dim=1)
+    C = C.repeat_interleave(H // G, dim=1)
+    # Padded steps have dt = 0: decay 1 and no input, so the final state is the sequence's.
+    x, dt, B, C = (torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]).unflatten(0, (-1, Q))
+                   for t in (x, dt, B, C))
+    cum = torch.cumsum(dt * A, dim=1)                                    # [c, Q, H]
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    seg = (cum[:, :, None] - cum[:, None]).masked_fill(~causal[:, :, None], -math.inf)
+    weights = torch.einsum("cihn,cjhn->cijh", C, B) * seg.exp() * dt[:, None]
+    y = torch.einsum("cijh,cjhp->cihp", weights, x)
+    to_end = torch.exp(cum[:, -1:] - cum) * dt                            # [c, Q, H]
+    chunk_states = torch.einsum("cjh,cjhp,cjhn->chpn", to_end, x, B)      # from a zero state
+    chunk_decay = cum[:, -1].exp()                                        # [c, H]
+    state = x.new_zeros(H, P, N)
+    entering = []
+    for k in range(chunk_states.shape[0]):
+        entering.append(state)
+        state = chunk_decay[k, :, None, None] * state + chunk_states[k]
+    y = y + torch.einsum("cihn,chpn->cihp", C, torch.stack(entering)) * cum.exp()[..., None]
+    return y.flatten(0, 1)[:n], state
+
+
+# ---- modules (names as transformers') ------------------------------------------------------
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        dtype = h.dtype
+        h = h.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class _GatedRMSNorm(_RMSNorm):
+    """RMSNorm over groups of ``group_size`` channels of h * silu(gate) (gate optional: the
+    decode op has applied it already)."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        self.group_size = group_size
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = h.dtype
+        h = h.float()
+        if gate is not None:
+            h = h * F.silu(gate.float())
+        g = h.unflatten(-1, (-1, self.group_size))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.flatten(-2).to(dtype)
+
+
+class _Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        I, H = cfg.mamba_intermediate, cfg.mamba_num_heads
+        self.in_proj = nn.Linear(cfg.hidden_size, I + cfg.conv_dim + H, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel,
+                                groups=cfg.conv_dim, padding=cfg.conv_kernel - 1,
+                                bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(H))
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = _GatedRMSNorm(I, I // cfg.n_groups, cfg.layer_norm_epsilon)
+        self.out_proj = nn.Linear(I, cfg.hidden_size, bias=cfg.use_bias)
+
+    def _split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return self.in_proj(h).split([c.mamba_intermediate, c.conv_dim, c.mamba_num_heads], -1)
+
+    def _conv_args(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.conv1d.weight[:, 0], self.conv1d.bias
+
+    def _xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        GN = c.n_groups * c.ssm_state_size
+        x, B, C = xbc.split([c.mamba_intermediate, GN, GN], -1)
+        lead = xbc.shape[:-1]
+        return (x.reshape(*lead, c.mamba_num_heads, c.mamba_head_dim),
+                B.reshape(*lead, c.n_groups, c.ssm_state_size),
+                C.reshape(*lead, c.n_groups, c.ssm_state_size))
+
+    def prefill(self, cache: ServingCache, layer: int, slot: int, h: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        z, xbc, dt = self._split(h)
+        xbc = cache.conv_prefill(layer, slot, xbc, *self._conv_args())
+        x, B, C = self._xbc(xbc)
+        A = -torch.exp(self.A_log.float())
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=c.time_step_min)
+        y, state = ssd_chunk_scan(x.float(), dt, A, B.float(), C.float(), c.chunk_size)
+        y = y + self.D.float()[:, None] * x.float()
+        cache.ssm.load_state(layer, slot, state)
+        y = self.norm(y.flatten(-2), z)
+        return self.out_proj(y.to(h.dtype))
+
+    def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext,
+               h: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        z, xbc, dt = self._split(h)
+        xbc = cache.conv_decode(layer, ctx, xbc, *self._conv_args())
+        x, B, C = self._xbc(xbc)
+        Bsz, T = h.shape[:2]
+        y = replayssm.mamba2_decode(
+            cache.ssm, layer, ctx.slot_ids, x.contiguous(), dt.float().contiguous(),
+            B.contiguous(), C.contiguous(), -torch.exp(self.A_log.float()),
+            self.D.float().contiguous(), self.dt_bias.float().contiguous(),
+            z=z.reshape(Bsz, T, c.mamba_num_heads, c.mamba_head_dim).contiguous())
+        return self.out_proj(self.norm(y.flatten(-2)))
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, Hq * D, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(Hq * D, cfg.hidden_size, bias=False)
+        self.scale = D ** -0.5
+
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        D = self.cfg.head_dim
+        return (self.q_proj(h).unflatten(-1, (-1, D)), self.k_proj(h).unflatten(-1, (-1, D)),
+                self.v_proj(h).unflatten(-1, (-1, D)))
+
+    def prefill(self, cache: ServingCache, layer: int, slot: int, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(h)
+        cache.kv_prefill(layer, slot, k, v)
+        return self.o_proj(causal_attention(q, k, v, self.scale).flatten(-2))
+
+    def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext,
+               h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(h)
+        cache.kv_decode(layer, ctx, k, v)
+        return self.o_proj(cache.attend(layer, ctx, q, self.scale).flatten(-2))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(h)).square())
+
+
+_MIXERS = {_MAMBA_LAYER: _Mamba2Mixer, _ATTENTION_LAYER: _Attention, _MLP_LAYER: _MLP}
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, kind: str, index: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.index = index  # among the cache's layers of its kind (SSM or attention)
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer = _MIXERS[kind](cfg)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        counts = {_MAMBA_LAYER: 0, _ATTENTION_LAYER: 0, _MLP_LAYER: 0}
+        blocks = []
+        for kind in cfg.pattern:
+            blocks.append(_Block(cfg, kind, counts[kind]))
+            counts[kind] += 1
+        self.layers = nn.ModuleList(blocks)
+        self.norm_f = _RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+class NemotronHModel(HybridModel):
+    """A Nemotron-H decoder (see the module doc) with transformers' weight names:
+    ``model.embeddings``, ``model.layers.{i}.norm``, ``model.layers.{i}.mixer.*``,
+    ``model.norm_f``, ``lm_head`` (hub checkpoints' ``backbone.`` prefix is read as ``model.``)."""
+
+    def __init__(self, config: NemotronHConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def _empty(cls, config: NemotronHConfig, device: Any, dtype: torch.dtype) -> "NemotronHModel":
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embeddings.weight
+        return model.eval().requires_grad_(False)
+
+    @classmethod
+    def random(cls, config: "NemotronHConfig | dict", seed: int = 0, device: Any = "cpu",
+               dtype: torch.dtype = torch.float32) -> "NemotronHModel":
+        """Seeded random weights at activations of order one: projections N(0, 1/fan_in),
+        embeddings N(0, 1), norms 1 + N(0, 0.1^2), A_log = log(1..H), D near 1, dt_bias the
+        inverse softplus of dt log-uniform in [time_step_min, time_step_max] (transformers'
+        Mamba-2 initialisation)."""
+        if isinstance(config, dict):
+            config = NemotronHConfig.from_hf(config)
+        model = cls._empty(config, device, dtype)
+        gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+        def fill(p: torch.Tensor, values: torch.Tensor) -> None:
+            p.copy_(values.to(p.dtype))
+
+        def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device=device) * std
+
+        def uniform(shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.rand(shape, generator=gen, device=device)
+
+        H, cfg = config.mamba_num_heads, config
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                fill(p, 1 + normal(p.shape, 0.1))
+            elif leaf == "A_log":
+                fill(p, torch.log(torch.arange(1, H + 1, device=device, dtype=torch.float32)))
+            elif leaf == "D":
+                fill(p, 1 + normal(p.shape, 0.1))
+            elif leaf == "dt_bias":
+                lo, hi = math.log(cfg.time_step_min), math.log(cfg.time_step_max)
+                dt = torch.exp(lo + uniform(p.shape) * (hi - lo)).clamp(min=cfg.time_step_floor)
+                fill(p, dt + torch.log(-torch.expm1(-dt)))
+            elif "embeddings" in name:
+                fill(p, normal(p.shape, 1.0))
+            elif name.endswith("conv1d.weight"):
+                fill(p, normal(p.shape, cfg.conv_kernel ** -0.5))
+            elif leaf == "bias":
+                fill(p, normal(p.shape, 0.1))
+            else:  # projections [out, in]
+                fill(p, normal(p.shape, p.shape[-1] ** -0.5))
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: Any, device: Any = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "NemotronHModel":
+        """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
+        config = NemotronHConfig.from_hf(read_config(path))
+        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
+
+    @classmethod
+    def from_tensors(cls, config: NemotronHConfig, tensors: dict[str, torch.Tensor],
+                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "NemotronHModel":
+        """A model over ``tensors`` (transformers' or the hub's names); refuses a missing,
+        mis-shaped or unknown tensor by name before building anything."""
+        tensors = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): t
+                   for k, t in tensors.items()}
+        with torch.device("meta"):
+            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
+        ignored = ["mtp."]  # multi-token-prediction heads, which transformers skips too
+        if config.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+            ignored.append("lm_head.weight")
+        check_tensors(expected, tensors, ignored)
+        model = cls._empty(config, device, dtype)
+        params = dict(model.named_parameters())
+        for name in expected:
+            params[name].copy_(tensors[name])
+        return model
+
+    # ---- serving ------------------------------------------------------------------------------
+
+    def cache_layout(self) -> CacheLayout:
+        c = self.config
+        w = self.model.embeddings.weight
+        return CacheLayout(
+            ssm_kind="mamba2",
+            ssm_dims=dict(num_heads=c.mamba_num_heads, head_dim=c.mamba_head_dim,
+                          state_dim=c.ssm_state_size, num_groups=c.n_groups),
+            num_ssm_layers=c.pattern.count(_MAMBA_LAYER), conv_channels=c.conv_dim,
+            conv_kernel=c.conv_kernel, num_attn_layers=c.pattern.count(_ATTENTION_LAYER),
+            kv_heads=c.num_key_value_heads, head_dim=c.head_dim, device=w.device, dtype=w.dtype)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm_f(h)).float()
+
+    @torch.no_grad()
+    def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 1 or tokens.numel() == 0:
+            raise ValueError(f"prefill takes a non-empty prompt int64 [n], got {tuple(tokens.shape)}")
+        if tokens.numel() > cache.max_seq_len:
+            raise ValueError(f"a prompt of {tokens.numel()} tokens exceeds max_seq_len "
+                             f"({cache.max_seq_len})")
+        cache._check_slot(slot)
+        h = self.model.embeddings(tokens.to(cache.device))
+        for block in self.model.layers:
+            x = block.norm(h.to(block.norm.weight.dtype))
+            if block.kind == _MLP_LAYER:
+                x = block.mixer(x)
+            else:
+                x = block.mixer.prefill(cache, block.index, slot, x)
+            h = h + x
+        cache.lengths[slot] = tokens.numel()
+        return self._logits(h)
+
+    @torch.no_grad()
+    def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
+               tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] != slot_ids.shape[0]:
+            raise ValueError(f"tokens must be int64 [batch, T] with batch = len(slot_ids) "
+                             f"({slot_ids.shape[0]}), got {tuple(tokens.shape)}")
+        ctx = cache.decode_context(slot_ids, tokens.shape[1])
+        h = self.model.embeddings(tokens)
+        for block in self.model.layers:
+            x = block.norm(h.to(block.norm.weight.dtype))
+            if block.kind == _MLP_LAYER:
+                x = block.mixer(x)
+            else:
+                x = block.mixer.decode(cache, block.index, ctx, x)
+            h = h + x
+        return self._logits(h)
