@@ -1,0 +1,606 @@
+"""The Qwen3.5 family: Gated DeltaNet mixers with a gated full-attention layer every few layers,
+each followed by a SwiGLU MLP — the computation of transformers' ``Qwen3_5ForCausalLM``, with
+its weight names, served from a :class:`ServingCache`.
+
+One decoder layer (pre-norm, residual around the mixer and around the MLP)::
+
+    h = x + mixer(rmsnorm(x));   out = h + mlp(rmsnorm(h))
+
+* RMSNorm scales by ``1 + weight`` (weights stored zero-centred), in fp32, rounded once.
+* Gated DeltaNet (``linear_attn``): ``in_proj_qkv`` -> depthwise causal conv1d (kernel 4, no bias)
+  -> SiLU -> q, k [num_k_heads, head_k_dim], v [num_v_heads, head_v_dim]; value head h reads key
+  head h // (num_v_heads / num_k_heads); ``beta = sigmoid(in_proj_b x)``,
+  ``g = -exp(A_log) * softplus(in_proj_a x + dt_bias)``; the gated delta rule over q, k
+  L2-normalised (eps 1e-6 under the root) and q scaled by head_k_dim ** -0.5; then
+  ``norm(o, z)`` = weight * rmsnorm(o) * silu(z) per value head (a plain weight, not 1 + w;
+  ``z = in_proj_z x``) and ``out_proj``.
+* Gated attention (``self_attn``): ``q_proj`` gives, per head, the query then an output gate;
+  RMSNorm (1 + w) over head_dim on q and k; rotary embedding on the first
+  ``partial_rotary_factor * head_dim`` dims (rotate-half pairing); GQA softmax attention with
+  scale head_dim ** -0.5; output * sigmoid(gate); ``o_proj``. The checkpoint's rotary is
+  interleaved M-RoPE over (temporal, height, width) sections; text tokens carry the same
+  position in all three, so it reduces to plain RoPE with the same inverse frequencies.
+
+The recurrent state of a GDN layer is carried as the library holds it, ``[num_v_heads,
+head_v_dim, head_k_dim]`` (transformers keeps its transpose). Prefill runs the chunked form of
+the gated delta rule (:func:`gated_delta_chunked`) in fp32 and loads the final state with
+``cache.ssm.load_state``; decode calls :func:`replayssm.gdn_decode`, whose q/k contract
+(``qk_l2norm=True``: L2 norm with eps 1e-6 under the root, then ``scale`` = head_k_dim ** -0.5)
+is the one above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import replayssm
+
+from .base import CacheLayout, HybridModel, ServingCache, causal_attention
+
+__all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen35Config:
+    """The text tower of a Qwen3.5 checkpoint (transformers' ``Qwen3_5TextConfig`` fields, by
+    the same names). :data:`QWEN35_4B` is the Qwen3.5-4B layout; :func:`tiny_config` gives
+    test-sized ones."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    layer_types: tuple[str, ...] = ()
+    full_attention_interval: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262_144
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            # transformers' default: every full_attention_interval-th layer is full attention.
+            types = tuple(FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR
+                          for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", types)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - {LINEAR, FULL})
+        if unknown:
+            raise ValueError(f"unknown layer types {unknown}; choose {LINEAR!r} or {FULL!r}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; Qwen3.5 uses 'silu'")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary "
+                             f"dim {self.rotary_dim}; it must be even and in (0, head_dim]")
+
+    # ---- derived sizes ----------------------------------------------------------------
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def ssm_layers(self) -> list[int]:
+        """Indices of the Gated DeltaNet layers, in order (their index in the SSM cache is their
+        position in this list)."""
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def gdn_dims(self) -> dict[str, int]:
+        """The SSM layers' shape as :class:`replayssm.CacheConfig` takes it."""
+        return dict(num_k_heads=self.linear_num_key_heads, num_v_heads=self.linear_num_value_heads,
+                    head_k_dim=self.linear_key_head_dim, head_v_dim=self.linear_value_head_dim)
+
+    # ---- Hugging Face config.json -------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "Qwen35Config":
+        """From a config.json dict: ``qwen3_5_text`` (what ``Qwen3_5ForCausalLM`` saves) or
+        ``qwen3_5`` (the published checkpoints: the text tower under ``text_config``)."""
+        text = dict(config.get("text_config") or config)
+        rope = dict(text.get("rope_parameters") or {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in text.items() if k in fields}
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope:
+                kw[key] = rope[key]
+        # The published 4B keeps tie_word_embeddings at the top level, beside text_config.
+        if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
+            kw["tie_word_embeddings"] = config["tie_word_embeddings"]
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default'")
+        return cls(**kw)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``qwen3_5_text`` config.json dict of this layout (what transformers'
+        ``Qwen3_5TextConfig(**d)`` takes)."""
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d.pop("full_attention_interval")
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                                "partial_rotary_factor": d.pop("partial_rotary_factor"),
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+        d["model_type"] = "qwen3_5_text"
+        d["architectures"] = ["Qwen3_5ForCausalLM"]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_hf(), indent=2)
+
+
+#: The Qwen3.5-4B layout (the layer benchmark's ``qwen35-4b`` GDN shape: 16 key heads, 32 value
+#: heads, K = V = 128). Every number is the ``text_config`` of Qwen/Qwen3.5-4B's config.json on
+#: the Hugging Face Hub, as public tooling reproduces it (e.g. THUDM/slime
+#: scripts/models/qwen3.5-4B.sh, derived from that file):
+#: hidden_size 2560, intermediate_size 9216, 32 layers, layer_types three linear_attention then
+#: one full_attention, eight times (full_attention_interval 4: full at 3, 7, ..., 31);
+#: attention 16 heads, 4 KV heads, head_dim 256, no bias, output gate; GDN 16 key heads,
+#: 32 value heads, head_k_dim = head_v_dim = 128, conv kernel 4; rms_norm_eps 1e-6;
+#: rope_theta 1e7, partial_rotary_factor 0.25 (64 rotary dims; M-RoPE sections [11, 11, 10],
+#: interleaved); vocab 248320; max_position_embeddings 262144; tie_word_embeddings true (the
+#: 4B ties its LM head to the embedding; the 27B does not).
+#: Assumption: the multi-token-prediction head (``mtp.*``, one layer) and the vision tower are
+#: left out: a text decoder does not run them.
+QWEN35_4B = Qwen35Config(
+    vocab_size=248_320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    rms_norm_eps=1e-6, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+    max_position_embeddings=262_144, tie_word_embeddings=True)
+
+
+def tiny_config(**overrides: Any) -> Qwen35Config:
+    """A test-sized layout with the real one's structure: grouped GDN heads (2 value heads per
+    key head), GQA attention (2 query heads per KV head), partial rotary, K != V, and a layer
+    pattern that starts and ends with GDN layers around two attention layers."""
+    kw: dict[str, Any] = dict(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=(LINEAR, LINEAR, FULL, LINEAR, FULL, LINEAR),
+        rope_theta=10_000.0, partial_rotary_factor=0.5, max_position_embeddings=4096,
+        tie_word_embeddings=False)
+    kw.update(overrides)
+    return Qwen35Config(**kw)
+
+
+# ---- the chunked gated delta rule (prefill) ----------------------------------------------------
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor | None = None,
+                        chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a whole sequence, chunk by chunk, in fp32.
+
+    ``q``, ``k`` [n, num_v_heads, K] (raw: L2-normalised here, q scaled by K ** -0.5), ``v``
+    [n, H, V], ``g`` (log-decay), ``beta`` [n, H]; ``state`` [H, V, K] (None: zeros). Returns
+    (o [n, H, V], final state [H, V, K]), both fp32. Per token, with S [V, K]:
+
+        S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t.
+
+    Within a chunk of C tokens starting from S_0, with c_i = sum_{j<=i} g_j, the writes
+    d_i = beta_i (v_i - exp(g_i) S_{i-1} k_i) solve the unit lower-triangular system
+    (I + A) D = beta V - diag(beta e^c) K S_0^T,  A_ij = beta_i e^(c_i - c_j) k_i.k_j (j < i);
+    then O = diag(e^c) Q S_0^T + (Q K^T o e^(c_i - c_j), j <= i) D and
+    S_C = e^(c_C) S_0 + D^T diag(e^(c_C - c)) K: two triangular solves and a few matmuls per
+    chunk instead of C rank-one updates.
+    """
+    n, H, K = k.shape
+    V = v.shape[-1]
+    f32 = torch.float32
+    q = _l2norm(q.to(f32)) * K ** -0.5
+    k = _l2norm(k.to(f32))
+    v, g, beta = v.to(f32), g.to(f32), beta.to(f32)
+    S = (torch.zeros(H, V, K, dtype=f32, device=v.device) if state is None
+         else state.to(f32).clone())
+    out = torch.empty(n, H, V, dtype=f32, device=v.device)
+    # Heads first: [H, C, .] blocks batch over heads.
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    g, beta = g.transpose(0, 1), beta.transpose(0, 1)
+    for s0 in range(0, n, chunk):
+        s1 = min(s0 + chunk, n)
+        C = s1 - s0
+        qc, kc, vc, bc = q[:, s0:s1], k[:, s0:s1], v[:, s0:s1], beta[:, s0:s1]
+        c = g[:, s0:s1].cumsum(-1)                                   # [H, C]
+        diff = c[:, :, None] - c[:, None, :]                         # c_i - c_j
+        lower = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        # exp only where j <= i (there the difference is <= 0), so nothing overflows.
+        decay = torch.where(lower, diff, torch.full_like(diff, -math.inf)).exp()
+        kk = kc @ kc.transpose(-1, -2)                               # k_i . k_j
+        A = (bc[:, :, None] * kk * decay).tril(-1)
+        eye = torch.eye(C, dtype=f32, device=v.device)
+        rhs = bc[:, :, None] * vc - (bc * c.exp())[:, :, None] * (kc @ S.transpose(-1, -2))
+        D = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        out[s0:s1] = (c.exp()[:, :, None] * (qc @ S.transpose(-1, -2))
+                      + ((qc @ kc.transpose(-1, -2)) * decay) @ D).transpose(0, 1)
+        last = c[:, -1:]                                             # c_C
+        S = last.exp()[:, :, None] * S + D.transpose(-1, -2) @ ((last - c).exp()[:, :, None] * kc)
+    return out, S
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(|x|^2 + 1e-6) over the last axis: the normalisation gdn_decode applies with
+    qk_l2norm=True (and transformers' Qwen3.5 with use_qk_l2norm_in_kernel)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+# ---- layers ------------------------------------------------------------------------------------
+
+class _RMSNorm(nn.Module):
+    """RMSNorm with a zero-centred weight: x / rms(x) * (1 + weight), in fp32, rounded once to
+    x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class _GatedRMSNorm(nn.Module):
+    """The GDN output norm: weight * rmsnorm(o) * silu(z) (plain weight); the normalised o is
+    rounded to o's dtype before the weight, the gate product taken in fp32, as transformers."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = o.float()
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
+        return (self.weight * y * F.silu(z.float())).to(o.dtype)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Qwen35Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _GatedDeltaNet(nn.Module):
+    """The GDN mixer's weights (transformers' names) and the pieces around the recurrence."""
+
+    def __init__(self, c: Qwen35Config) -> None:
+        super().__init__()
+        self.c = c
+        Hv = c.linear_num_value_heads
+        self.in_proj_qkv = nn.Linear(c.hidden_size, c.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, Hv, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, Hv, bias=False)
+        # Depthwise: weight [conv_dim, 1, kernel], as nn.Conv1d(groups=conv_dim) stores it.
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.linear_conv_kernel_dim,
+                                groups=c.conv_dim, bias=False,
+                                padding=c.linear_conv_kernel_dim - 1)
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.A_log = nn.Parameter(torch.zeros(Hv))
+        self.norm = _GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta) in fp32 [..., num_v_heads]: g = -exp(A_log) softplus(a + dt_bias) taken in
+        fp32, beta = sigmoid(b) in the activations' dtype (as transformers rounds them)."""
+        a = self.in_proj_a(x).float()
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        return g, torch.sigmoid(self.in_proj_b(x)).float()
+
+    def split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [..., conv_dim] -> q, k [..., Hk, K], v [..., Hv, V]."""
+        c = self.c
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        lead = mixed.shape[:-1]
+        return (q.reshape(*lead, c.linear_num_key_heads, c.linear_key_head_dim),
+                k.reshape(*lead, c.linear_num_key_heads, c.linear_key_head_dim),
+                v.reshape(*lead, c.linear_num_value_heads, c.linear_value_head_dim))
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [..., Hv, V] (the recurrence's output) and the layer input x -> the layer output."""
+        z = self.in_proj_z(x).reshape(o.shape)
+        return self.out_proj(self.norm(o, z).flatten(-2))
+
+
+class _Attention(nn.Module):
+    """Gated softmax attention's weights (transformers' names) and its projections."""
+
+    def __init__(self, c: Qwen35Config) -> None:
+        super().__init__()
+        self.c = c
+        hd, bias = c.head_dim, c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, 2 * c.num_attention_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * hd, c.hidden_size, bias=bias)
+        self.q_norm = _RMSNorm(hd, c.rms_norm_eps)
+        self.k_norm = _RMSNorm(hd, c.rms_norm_eps)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., hidden] -> q [..., H, hd], k, v [..., Hkv, hd] (normed, rotated) and the
+        output gate [..., H * hd]; cos, sin [..., rotary_dim] broadcast over heads."""
+        c = self.c
+        lead = x.shape[:-1]
+        # Per head: the query's head_dim values, then its gate's.
+        q, gate = self.q_proj(x).view(*lead, c.num_attention_heads, 2 * c.head_dim).chunk(2, -1)
+        q = _rotate(self.q_norm(q), cos, sin)
+        k = _rotate(self.k_norm(self.k_proj(x).view(*lead, c.num_key_value_heads, c.head_dim)),
+                    cos, sin)
+        v = self.v_proj(x).view(*lead, c.num_key_value_heads, c.head_dim)
+        return q, k, v, gate.reshape(*lead, -1)
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [..., H, hd] -> the layer output, gated by sigmoid(gate)."""
+        return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on x's first rotary_dim dims (rotate-half pairing: dim i with
+    i + rotary_dim / 2); cos, sin [..., rotary_dim] without the head axis."""
+    r = cos.shape[-1]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    xr, rest = x[..., :r], x[..., r:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+    rotated = xr * cos + torch.cat((-x2, x1), -1) * sin
+    return torch.cat((rotated, rest), -1)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, c: Qwen35Config, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = _GatedDeltaNet(c)
+        else:
+            self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class _TextModel(nn.Module):
+    def __init__(self, c: Qwen35Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(_DecoderLayer(c, t) for t in c.layer_types)
+        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+class Qwen35Model(HybridModel):
+    """A Qwen3.5 text decoder (``Qwen3_5ForCausalLM``'s computation and weight names) served from
+    a :class:`ServingCache`: GDN layers through the replayssm state cache, attention layers over
+    its static KV cache."""
+
+    def __init__(self, config: Qwen35Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # The SSM cache's layer index of each GDN layer, the KV cache's of each attention layer.
+        self._cache_index = {i: n for n, i in enumerate(config.ssm_layers)}
+        self._cache_index.update({i: n for n, i in enumerate(config.attention_layers)})
+        r = config.rotary_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    # ---- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def random(cls, config: Any, seed: int = 0, device: Any = "cpu",
+               dtype: torch.dtype = torch.float32) -> "Qwen35Model":
+        """Seeded random weights of ``config`` (a Qwen35Config or a config.json dict), scaled so
+        activations stay O(1) through a small model (weights N(0, 1 / fan_in), embeddings
+        N(0, 1)); the parameters transformers initialises to constants are drawn around them
+        (norm weights, dt_bias; A in [0.01, 4]) so that a test sees each one used."""
+        if isinstance(config, dict):
+            config = Qwen35Config.from_hf(config)
+        gen = torch.Generator().manual_seed(seed)
+
+        def normal(shape, std):
+            return std * torch.randn(shape, generator=gen)
+
+        model = cls(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                leaf = name.rsplit(".", 1)[-1]
+                if name.endswith("linear_attn.norm.weight"):      # a plain weight around 1
+                    p.copy_(1.0 + normal(p.shape, 0.1))
+                elif name.endswith("norm.weight"):                # 1 + weight: around 0
+                    p.copy_(normal(p.shape, 0.1))
+                elif leaf == "dt_bias":
+                    p.copy_(1.0 + normal(p.shape, 0.5))
+                elif leaf == "A_log":
+                    p.copy_(torch.empty(p.shape).uniform_(0.01, 4.0, generator=gen).log())
+                elif leaf == "bias" or p.dim() == 1:
+                    p.copy_(normal(p.shape, 0.02))
+                elif name.endswith("conv1d.weight"):              # [C, 1, kernel]
+                    p.copy_(normal(p.shape, p.shape[-1] ** -0.5))
+                elif name.endswith("embed_tokens.weight"):
+                    p.copy_(normal(p.shape, 1.0))
+                else:                                             # Linear [out, in]
+                    p.copy_(normal(p.shape, p.shape[1] ** -0.5))
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_pretrained(cls, path: Any, device: Any = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "Qwen35Model":
+        """A Hugging Face model directory: ``Qwen3_5ForCausalLM``'s (``model.*``, ``lm_head``)
+        or a published ``Qwen3_5ForConditionalGeneration``'s (its text tower under
+        ``model.language_model.*``; the vision tower and the MTP head are skipped)."""
+        from .loader import load_model_dir
+
+        config_dict, tensors = load_model_dir(path)
+        config = Qwen35Config.from_hf(config_dict)
+        with torch.device("meta"):
+            model = cls(config)
+        state = {}
+        for name, t in tensors.items():
+            if name.startswith(("model.visual.", "mtp.")):
+                continue
+            state[name.replace("model.language_model.", "model.", 1)] = t
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+            missing = [m for m in missing if m != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"{os.fspath(path)}: weights do not match a Qwen3.5 text model: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        r = config.rotary_dim
+        model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        return model.to(device=device, dtype=dtype).eval()
+
+    def cache_layout(self) -> CacheLayout:
+        c = self.config
+        w = self.lm_head.weight
+        return CacheLayout(
+            ssm_kind="gdn", ssm_dims=c.gdn_dims, num_ssm_layers=len(c.ssm_layers),
+            conv_channels=c.conv_dim, conv_kernel=c.linear_conv_kernel_dim,
+            num_attn_layers=len(c.attention_layers), kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, device=w.device, dtype=w.dtype)
+
+    # ---- shared pieces ----------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [..., rotary_dim] at integer positions, computed in fp32 and rounded to the
+        activations' dtype (transformers rounds them there too)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h)).float()
+
+    def _ffn(self, layer: _DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    # ---- prefill ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
+        cache._check_slot(slot)
+        if tokens.dim() != 1 or tokens.numel() == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D prompt, got {tuple(tokens.shape)}")
+        n = tokens.numel()
+        if n > cache.max_seq_len:
+            raise ValueError(f"a prompt of {n} tokens exceeds max_seq_len ({cache.max_seq_len})")
+        c = self.config
+        tokens = tokens.to(self.lm_head.weight.device)
+        h = self.model.embed_tokens(tokens)
+        cos, sin = self._rope(torch.arange(n, device=h.device), h.dtype)
+        states = []  # the GDN layers' final states: loaded once every layer has succeeded
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            idx = self._cache_index[i]
+            if layer.kind == LINEAR:
+                m = layer.linear_attn
+                mixed = cache.conv_prefill(idx, slot, m.in_proj_qkv(x), m.conv1d.weight[:, 0],
+                                           None, "silu")
+                q, k, v = m.split(mixed)
+                g, beta = m.gates(x)
+                rep = c.linear_num_value_heads // c.linear_num_key_heads
+                o, state = gated_delta_chunked(q.repeat_interleave(rep, 1),
+                                               k.repeat_interleave(rep, 1), v, g, beta)
+                states.append(state)
+                h = h + m.output(o.to(h.dtype), x)
+            else:
+                a = layer.self_attn
+                q, k, v, gate = a.qkv(x, cos, sin)
+                cache.kv_prefill(idx, slot, k, v)
+                h = h + a.output(causal_attention(q, k, v, c.head_dim ** -0.5), gate)
+            h = self._ffn(layer, h)
+        for idx, state in enumerate(states):
+            cache.ssm.load_state(idx, slot, state.contiguous())
+        cache.lengths[slot] = n
+        return self._head(h)
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
+               tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.shape[0] != slot_ids.shape[0]:
+            raise ValueError(f"tokens must be [batch, T] with batch = len(slot_ids), got "
+                             f"{tuple(tokens.shape)} for {tuple(slot_ids.shape)}")
+        B, T = tokens.shape
+        ctx = cache.decode_context(slot_ids, T)
+        c = self.config
+        h = self.model.embed_tokens(tokens)
+        cos, sin = self._rope(ctx.positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            idx = self._cache_index[i]
+            if layer.kind == LINEAR:
+                m = layer.linear_attn
+                mixed = cache.conv_decode(idx, ctx, m.in_proj_qkv(x), m.conv1d.weight[:, 0],
+                                          None, "silu")
+                q, k, v = (t.contiguous() for t in m.split(mixed))
+                g, beta = m.gates(x)
+                o = replayssm.gdn_decode(cache.ssm, idx, slot_ids, q, k, v, g.contiguous(),
+                                         beta.contiguous(), scale=c.linear_key_head_dim ** -0.5,
+                                         qk_l2norm=True)
+                h = h + m.output(o, x)
+            else:
+                a = layer.self_attn
+                q, k, v, gate = a.qkv(x, cos, sin)
+                cache.kv_decode(idx, ctx, k, v)
+                o = cache.attend(idx, ctx, q.contiguous(), c.head_dim ** -0.5)
+                h = h + a.output(o, gate)
+            h = self._ffn(layer, h)
+        return self._head(h)
