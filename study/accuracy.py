@@ -208,6 +208,11 @@ def float64_logits(model_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor,
     config = json.loads((Path(model_dir) / "config.json").read_text())
     cls = getattr(transformers, config["architectures"][0])
     hf = cls.from_pretrained(model_dir, dtype=torch.float64).to(tokens.device).eval()
+    for module in hf.modules():
+        # transformers' Mamba-2 floors dt at time_step_min in its whole-sequence scan but not in
+        # its one-token step, and decoding (theirs and ours) is steps: the reference follows it.
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.0, float("inf"))
     mode = Float64Everywhere()
     rows = []
     with torch.no_grad():

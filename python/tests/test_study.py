@@ -1,6 +1,7 @@
 """The accuracy study's scripts (study/): the corpus split, a training smoke run, the KL
 measure and the accuracy pipeline on a tiny random model."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -101,3 +102,130 @@ def test_training_rejects_a_corpus_without_held_out_files(tmp_path):
     with pytest.raises(ValueError, match="0 held-out files"):
         train.train(args)
     assert not (tmp_path / "out").exists()
+
+
+# ---- accuracy measures ----------------------------------------------------------------------
+
+def test_kl_is_zero_for_identical_distributions_and_matches_the_formula():
+    torch = pytest.importorskip("torch")
+    import accuracy
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 3, 11, generator=gen) * 3
+    b = torch.randn(5, 3, 11, generator=gen) * 3
+    assert accuracy.kl_divergence(a, a).abs().max().item() == 0.0
+    # Shifting logits leaves the distribution, and so the KL, unchanged.
+    assert accuracy.kl_divergence(a, a + 7.0).max().item() < 1e-12
+    p = torch.softmax(a.double(), -1)
+    q = torch.softmax(b.double(), -1)
+    direct = (p * torch.log(p / q)).sum(-1)
+    got = accuracy.kl_divergence(a, b)
+    assert got.shape == (5, 3) and got.dtype == torch.float64
+    assert torch.allclose(got, direct, rtol=1e-10, atol=1e-12)
+    assert (got > 0).all()
+
+
+def test_first_divergence_and_binned_mean():
+    torch = pytest.importorskip("torch")
+    import accuracy
+
+    ref = torch.tensor([[1, 1, 1], [2, 2, 2], [3, 3, 3], [4, 4, 4]])
+    other = ref.clone()
+    other[2, 0] = 9
+    other[0, 1] = 9
+    other[3, 1] = 9
+    assert accuracy.first_divergence(ref, other) == [2, 0, 4]
+    values = torch.arange(10, dtype=torch.float64)[:, None].repeat(1, 2)
+    assert accuracy.binned_mean(values, 4) == [1.5, 5.5, 8.5]
+
+
+def test_float64_everywhere_raises_float32_casts():
+    torch = pytest.importorskip("torch")
+    import accuracy
+
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64) / 3
+    mode = accuracy.Float64Everywhere()
+    with mode:
+        casts = [x.float(), x.to(torch.float32), x.to(dtype=torch.float32),
+                 torch.zeros(2, dtype=torch.float32), torch.arange(3).float()]
+    assert [c.dtype for c in casts] == [torch.float64] * 5
+    assert casts[0][0].item() == x[0].item()
+    assert mode.float32_results == 0
+    with mode:
+        torch.ones(2)  # the default dtype is not a cast: counted, not raised
+    assert mode.float32_results == 1
+
+
+# ---- the accuracy pipeline on a tiny model --------------------------------------------------
+
+def tiny_hf_model(family, path):
+    """A small transformers model with peaked next-byte distributions, saved as a model
+    directory; small state sizes so the CPU run takes seconds."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "nemotron_h":
+        config = transformers.NemotronHConfig(
+            vocab_size=256, hidden_size=32, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
+            mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=8,
+            use_mamba_kernels=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        model = transformers.NemotronHForCausalLM(config)
+    else:
+        config = transformers.Qwen3_5TextConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=1, linear_num_value_heads=2, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None)
+        model = transformers.Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        # Let the state mixers' outputs dominate the residual stream, so the state's rounding
+        # shows in the logits well above float32 rounding.
+        for name, p in model.named_parameters():
+            if name.endswith(("mixer.in_proj.weight", "linear_attn.in_proj_qkv.weight")):
+                p.mul_(30.0)
+        model.lm_head.weight.mul_(10.0)
+    model.save_pretrained(path)
+    return config.model_type
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_accuracy_pipeline_on_a_tiny_model(tmp_path, family):
+    torch = pytest.importorskip("torch")
+    import accuracy
+    from replayssm import models
+
+    model_dir = tmp_path / family
+    model_type = tiny_hf_model(family, model_dir)
+    if model_type not in models.FAMILIES:
+        pytest.skip(f"replayssm.models does not serve {model_type} yet")
+    small_corpus(tmp_path / "src")
+    _, heldout = corpus.split(corpus.list_sources(tmp_path / "src"))
+    corpus.write_list(model_dir / "heldout.txt", heldout)
+    out = tmp_path / "acc.json"
+    args = accuracy.parse_args([
+        "--model", str(model_dir), "--out", str(out), "--corpus-root", str(tmp_path / "src"),
+        "--device", "cpu", "--length", "40", "--streams", "2", "--prompt-len", "8",
+        "--gen-tokens", "12", "--bin-size", "16",
+        "--modes", "eager-bf16,replay-fp32,replay-fp32+bf16:8"])
+    results = accuracy.run(args)
+    (res,) = results["models"]
+    assert list(res["modes"]) == ["eager-bf16", "replay-fp32", "replay-fp32+bf16:8"]
+    for entry in res["modes"].values():
+        assert len(entry["kl"]["by_bin"]) == 3
+        assert len(entry["divergence"]) == 2
+        assert all(0 <= d <= 12 for d in entry["divergence"])
+        assert math.isfinite(entry["nats_per_byte"])
+    # Replay with an fp32 checkpoint is the eager fp32 recurrence up to float rounding; a bf16
+    # state is visibly further off.
+    replay = res["modes"]["replay-fp32"]["kl"]
+    eager_bf16 = res["modes"]["eager-bf16"]["kl"]
+    assert replay["max"] < 1e-9, replay
+    assert eager_bf16["mean"] > 100 * max(replay["mean"], 1e-15), (eager_bf16, replay)
+    assert res["modes"]["replay-fp32"]["divergence"] == [12, 12]
+    # Our fp32 model against transformers' in float64: rounding apart, the same model.
+    assert res["float64"]["float32_results"] == 0
+    assert res["float64"]["kl_reference_vs_float64"]["max"] < 1e-10
+    assert out.exists() and out.with_suffix(".md").exists()
+    assert "replay-fp32+bf16:8" in out.with_suffix(".md").read_text()
