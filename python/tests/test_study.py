@@ -66,13 +66,15 @@ def small_corpus(root):
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
-def test_training_smoke_run_lowers_the_loss(tmp_path, family):
+def test_training_smoke_run_lowers_the_loss(tmp_path, monkeypatch, family):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import json
 
     import train
 
+    # The smoke size keeps the real state head sizes; this test needs only the loop.
+    monkeypatch.setattr(train, "model_config", lambda family, smoke: tiny_config(family))
     small_corpus(tmp_path / "src")
     out = tmp_path / "out"
     args = train.parse_args(["--family", family, "--out", str(out), "--smoke",
@@ -158,27 +160,33 @@ def test_float64_everywhere_raises_float32_casts():
 
 # ---- the accuracy pipeline on a tiny model --------------------------------------------------
 
-def tiny_hf_model(family, path):
-    """A small transformers model with peaked next-byte distributions, saved as a model
-    directory; small state sizes so the CPU run takes seconds."""
-    torch = pytest.importorskip("torch")
+def tiny_config(family):
+    """A transformers config with small state sizes, so CPU runs take seconds."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
+    none = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
     if family == "nemotron_h":
-        config = transformers.NemotronHConfig(
+        return transformers.NemotronHConfig(
             vocab_size=256, hidden_size=32, layers_block_type=["mamba", "attention", "mlp", "mamba"],
             num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
             mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=8,
-            use_mamba_kernels=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
-        model = transformers.NemotronHForCausalLM(config)
-    else:
-        config = transformers.Qwen3_5TextConfig(
-            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_num_key_heads=1, linear_num_value_heads=2, pad_token_id=None,
-            bos_token_id=None, eos_token_id=None)
-        model = transformers.Qwen3_5ForCausalLM(config)
+            use_mamba_kernels=False, **none)
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=1, linear_num_value_heads=2, **none)
+
+
+def tiny_hf_model(family, path):
+    """A tiny transformers model with peaked next-byte distributions, saved as a model
+    directory."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cls = {"nemotron_h": transformers.NemotronHForCausalLM,
+           "qwen3_5": transformers.Qwen3_5ForCausalLM}[family]
+    config = tiny_config(family)
+    model = cls(config)
     with torch.no_grad():
         # Let the state mixers' outputs dominate the residual stream, so the state's rounding
         # shows in the logits well above float32 rounding.
