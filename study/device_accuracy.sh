@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The accuracy study on the GPU machine (run from anywhere; needs the trained models unpacked
+# into study/models/, see study/README.md). Carry [".deps"] as for scripts/device_python.sh.
+#
+# 1. `pip install --no-build-isolation .` (CUDA backend, sm_90; the build folder
+#    /tmp/replayssm-build is shared with scripts/device_python.sh, so a warm machine rebuilds
+#    little; SKIP_INSTALL=1 skips it).
+# 2. accuracy.py with float32 activations: every state mode, L = 8, 16, 32, 16 streams of 8192
+#    bytes, free-running 1024 tokens, the float64 reference over 4 streams (about 2-3 minutes for
+#    both models; the log states each mode's time and the step time).
+# 3. If step 2 took under BF16_IF_UNDER_S seconds (default 120): the base modes again with
+#    bfloat16 activations (how the models are served), without the float64 reference.
+#
+# Writes to $OUT: accuracy_float32.{json,md,log}, accuracy_bfloat16.{json,md,log}, pip.log.
+# Prints the tables. MODELS="dir ..." and ACCURACY_ARGS="..." override the models and add flags;
+# PYTHON picks the interpreter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+: "${OUT:?set OUT to the output directory}"
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+export REPLAYSSM_THIRD_PARTY_INCLUDE=${REPLAYSSM_THIRD_PARTY_INCLUDE:-$root/.deps/include}
+read -r -a models <<<"${MODELS:-study/models/nemotron_h study/models/qwen3_5}"
+model_args=()
+for m in "${models[@]}"; do
+  [ -f "$m/model.safetensors" ] && [ -f "$m/heldout.txt" ] || {
+    echo "no trained model in $m (model.safetensors, heldout.txt): unpack device_train.sh's output first"
+    exit 1
+  }
+  model_args+=(--model "$(cd "$m" && pwd)")
+done
+
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+  start=$SECONDS
+  if ! "$python" -m pip install --no-build-isolation --no-deps . \
+      -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90-real -C build-dir=/tmp/replayssm-build \
+      >"$OUT/pip.log" 2>&1; then
+    echo "pip install failed:"
+    grep -E "error|Error" "$OUT/pip.log" | head -20
+    exit 1
+  fi
+  echo "pip install: $((SECONDS - start)) s"
+fi
+
+cd /tmp  # import the installed package, not the source tree
+run() {  # run <dtype> [accuracy.py flags...]
+  local dtype=$1
+  shift
+  local start=$SECONDS
+  "$python" "$root/study/accuracy.py" "${model_args[@]}" --dtype "$dtype" \
+    --out "$OUT/accuracy_$dtype.json" "$@" ${ACCURACY_ARGS:-} >"$OUT/accuracy_$dtype.log" 2>&1
+  local rc=$?
+  elapsed=$((SECONDS - start))
+  echo "accuracy.py --dtype $dtype: rc=$rc in $elapsed s"
+  if [ $rc = 0 ]; then cat "$OUT/accuracy_$dtype.md"; else tail -n 30 "$OUT/accuracy_$dtype.log"; fi
+  return $rc
+}
+run float32 || exit 1
+if [ "$elapsed" -lt "${BF16_IF_UNDER_S:-120}" ]; then
+  run bfloat16 --float64-streams 0 \
+    --modes eager-bf16,replay-fp32,replay-bf16,replay-fp32+bf16,replay-fp32+fp8
+else
+  echo "bfloat16 pass skipped: the float32 pass took $elapsed s (BF16_IF_UNDER_S=${BF16_IF_UNDER_S:-120})"
+fi
