@@ -355,21 +355,26 @@ def plot(path: Path) -> list[Path]:
     for res in results["models"]:
         bin_size = res["bin_size"]
         fig, ax = plt.subplots(figsize=(9, 5.5))
-        curves = dict((m, e["kl"]["by_bin"]) for m, e in res["modes"].items())
+        curves = [(m, e["kl"]["by_bin"]) for m, e in res["modes"].items()]
         if "float64" in res:
-            curves["eager-fp32 vs float64"] = res["float64"]["kl_reference_vs_float64"]["by_bin"]
-        for mode, values in curves.items():
+            curves.append(("eager-fp32 vs float64", res["float64"]["kl_reference_vs_float64"]["by_bin"]))
+        # One colour per state precision, one line style per buffer length.
+        colours = dict(zip(BASE_MODES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+        styles = {None: "-", "8": "--", "32": ":"}
+        for mode, values in curves:
+            base, _, length = mode.partition(":")
+            colour = colours.get(base, "black")
+            style = "-." if base not in colours else styles.get(length or None, "-")
             x = [(i + 0.5) * bin_size for i in range(len(values))]
-            style = "--" if ":" in mode else ("-." if "float64" in mode else "-")
             # A log axis cannot show 0: those bins are left out of the line.
             points = [(a, b) for a, b in zip(x, values) if b > 0]
             if points:
-                ax.plot(*zip(*points), style, label=mode)
+                ax.plot(*zip(*points), style, color=colour, label=mode)
         ax.set_yscale("log")
         ax.set_xlabel("position (bytes)")
-        ax.set_ylabel(f"KL(eager-fp32 || mode), nats (mean over {res['streams']} streams, "
-                      f"{bin_size}-position bins)")
-        ax.set_title(f"{Path(res['model']).name}: activations {res['dtype']}")
+        ax.set_ylabel("KL(eager-fp32 || mode), nats")
+        ax.set_title(f"{Path(res['model']).name}, activations {res['dtype']}: mean over "
+                     f"{res['streams']} streams and {bin_size}-position bins")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
         out = Path(path).with_name(f"{Path(path).stem}_{Path(res['model']).name}.png")

@@ -237,3 +237,9 @@ def test_accuracy_pipeline_on_a_tiny_model(tmp_path, family):
     assert res["float64"]["kl_reference_vs_float64"]["max"] < 1e-10
     assert out.exists() and out.with_suffix(".md").exists()
     assert "replay-fp32+bf16:8" in out.with_suffix(".md").read_text()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    (png,) = accuracy.plot(out)
+    assert png.name == f"acc_{family}.png" and png.stat().st_size > 0
