@@ -199,6 +199,15 @@ class ServingCache:
         self.ssm.free(slot)
         self.lengths[slot] = 0
 
+    def check_prompt(self, slot: int, tokens: torch.Tensor) -> None:
+        """Refuses a prefill of ``tokens`` into ``slot`` that this cache cannot hold."""
+        if tokens.dim() != 1 or tokens.numel() == 0:
+            raise ValueError(f"a prompt is a non-empty int64 [n], got {tuple(tokens.shape)}")
+        if tokens.numel() > self.max_seq_len:
+            raise ValueError(f"a prompt of {tokens.numel()} tokens exceeds max_seq_len "
+                             f"({self.max_seq_len})")
+        self._check_slot(slot)
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or not self.ssm.is_allocated(slot):
             raise ValueError(f"slot {slot} is not an allocated slot of this cache")
@@ -209,9 +218,16 @@ class ServingCache:
         """Cache rows (int64) of ``slot_ids``: pad rows (-1) map to the scratch row."""
         return torch.where(slot_ids < 0, self.pad_row, slot_ids).long()
 
-    def decode_context(self, slot_ids: torch.Tensor, T: int) -> DecodeContext:
-        """The indices of a T-token decode of ``slot_ids``; refuses what the mode cannot do
-        (shapes only: no device value is read)."""
+    def decode_context(self, slot_ids: torch.Tensor, tokens: "torch.Tensor | int") -> DecodeContext:
+        """The indices of a decode of ``tokens`` (int64 [B, T], or T) for ``slot_ids``; refuses
+        what the mode cannot do (shapes only: no device value is read)."""
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() != 2 or tokens.shape[0] != slot_ids.shape[0]:
+                raise ValueError(f"tokens must be int64 [batch, T] with batch = len(slot_ids) "
+                                 f"({slot_ids.shape[0]}), got {tuple(tokens.shape)}")
+            T = tokens.shape[1]
+        else:
+            T = tokens
         if T > self.max_window:
             if self.mode.eager:
                 raise NotImplementedError(
@@ -271,8 +287,6 @@ class ServingCache:
     def kv_prefill(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes a prompt's keys and values [n, kv_heads, head_dim] at positions [0, n)."""
         n = k.shape[0]
-        if n > self.max_seq_len:
-            raise ValueError(f"a prompt of {n} tokens exceeds max_seq_len ({self.max_seq_len})")
         self.k[layer, slot, :, :n] = k.transpose(0, 1).to(self.dtype)
         self.v[layer, slot, :, :n] = v.transpose(0, 1).to(self.dtype)
 

@@ -45,6 +45,9 @@ _MAMBA_LAYER, _ATTENTION_LAYER, _MLP_LAYER, _MOE_LAYER = "M", "*", "-", "E"
 _TYPE_NAMES = {"mamba": _MAMBA_LAYER, "linear_attention": _MAMBA_LAYER, "attention": _ATTENTION_LAYER,
                "full_attention": _ATTENTION_LAYER, "mlp": _MLP_LAYER, "moe": _MOE_LAYER}
 # Older config.json field names transformers still reads.
+# Hub checkpoints (and transformers' save_pretrained) name the backbone "backbone.", the
+# modules "model.".
+_HUB_PREFIX = "backbone."
 _ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
             "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
             "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
@@ -458,19 +461,21 @@ class NemotronHModel(HybridModel):
                      device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "NemotronHModel":
         """A model over ``tensors`` (transformers' or the hub's names); refuses a missing,
         mis-shaped or unknown tensor by name before building anything."""
-        tensors = {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): t
-                   for k, t in tensors.items()}
         with torch.device("meta"):
             expected = {k: p.shape for k, p in cls(config).state_dict().items()}
         ignored = ["mtp."]  # multi-token-prediction heads, which transformers skips too
         if config.tie_word_embeddings:
             expected.pop("lm_head.weight")
             ignored.append("lm_head.weight")
-        check_tensors(expected, tensors, ignored)
+        # Checked under the checkpoint's own names, so that an error names what its files hold.
+        hub = any(k.startswith(_HUB_PREFIX) for k in tensors)
+        file_name = {k: (_HUB_PREFIX + k[len("model."):] if hub and k.startswith("model.") else k)
+                     for k in expected}
+        check_tensors({file_name[k]: s for k, s in expected.items()}, tensors, ignored)
         model = cls._empty(config, device, dtype)
         params = dict(model.named_parameters())
         for name in expected:
-            params[name].copy_(tensors[name])
+            params[name].copy_(tensors[file_name[name]])
         return model
 
     # ---- serving ------------------------------------------------------------------------------
@@ -486,41 +491,25 @@ class NemotronHModel(HybridModel):
             conv_kernel=c.conv_kernel, num_attn_layers=c.pattern.count(_ATTENTION_LAYER),
             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, device=w.device, dtype=w.dtype)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _stack(self, h: torch.Tensor, mixer: Any) -> torch.Tensor:
+        """The blocks over embeddings ``h``, the SSM and attention mixers run by
+        ``mixer(block, x)`` (prefill or decode), then the final norm and the LM head."""
+        for block in self.model.layers:
+            x = block.norm(h.to(block.norm.weight.dtype))
+            h = h + (block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x))
         return self.lm_head(self.model.norm_f(h)).float()
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 1 or tokens.numel() == 0:
-            raise ValueError(f"prefill takes a non-empty prompt int64 [n], got {tuple(tokens.shape)}")
-        if tokens.numel() > cache.max_seq_len:
-            raise ValueError(f"a prompt of {tokens.numel()} tokens exceeds max_seq_len "
-                             f"({cache.max_seq_len})")
-        cache._check_slot(slot)
-        h = self.model.embeddings(tokens.to(cache.device))
-        for block in self.model.layers:
-            x = block.norm(h.to(block.norm.weight.dtype))
-            if block.kind == _MLP_LAYER:
-                x = block.mixer(x)
-            else:
-                x = block.mixer.prefill(cache, block.index, slot, x)
-            h = h + x
+        cache.check_prompt(slot, tokens)
+        logits = self._stack(self.model.embeddings(tokens.to(cache.device)),
+                             lambda block, x: block.mixer.prefill(cache, block.index, slot, x))
         cache.lengths[slot] = tokens.numel()
-        return self._logits(h)
+        return logits
 
     @torch.no_grad()
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 2 or tokens.shape[0] != slot_ids.shape[0]:
-            raise ValueError(f"tokens must be int64 [batch, T] with batch = len(slot_ids) "
-                             f"({slot_ids.shape[0]}), got {tuple(tokens.shape)}")
-        ctx = cache.decode_context(slot_ids, tokens.shape[1])
-        h = self.model.embeddings(tokens)
-        for block in self.model.layers:
-            x = block.norm(h.to(block.norm.weight.dtype))
-            if block.kind == _MLP_LAYER:
-                x = block.mixer(x)
-            else:
-                x = block.mixer.decode(cache, block.index, ctx, x)
-            h = h + x
-        return self._logits(h)
+        ctx = cache.decode_context(slot_ids, tokens)
+        return self._stack(self.model.embeddings(tokens),
+                           lambda block, x: block.mixer.decode(cache, block.index, ctx, x))

@@ -34,8 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +42,12 @@ from torch import nn
 
 import replayssm
 
-from .base import CacheLayout, HybridModel, ServingCache, causal_attention
+from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
 
 __all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
 
 LINEAR, FULL = "linear_attention", "full_attention"
+_LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": FULL}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,12 +71,17 @@ class Qwen35Config:
     layer_types: tuple[str, ...] = ()
     full_attention_interval: int = 4
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
+    # Defaults: Qwen3_5TextConfig's, for a config.json that leaves a field out.
+    rope_theta: float = 10_000.0
     partial_rotary_factor: float = 0.25
-    max_position_embeddings: int = 262_144
+    max_position_embeddings: int = 32_768
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+
+    #: config.json's model_type of the text tower (what ``Qwen3_5ForCausalLM`` saves); the
+    #: published checkpoints' ``qwen3_5`` wraps it in ``text_config``.
+    model_type: ClassVar[str] = "qwen3_5_text"
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -84,7 +89,9 @@ class Qwen35Config:
             types = tuple(FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR
                           for i in range(self.num_hidden_layers))
             object.__setattr__(self, "layer_types", types)
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        # Older configs' names, which transformers maps the same way.
+        object.__setattr__(self, "layer_types",
+                           tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in self.layer_types))
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers")
@@ -142,16 +149,20 @@ class Qwen35Config:
         ``qwen3_5`` (the published checkpoints: the text tower under ``text_config``)."""
         text = dict(config.get("text_config") or config)
         rope = dict(text.get("rope_parameters") or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default'")
+        if not text.get("attn_output_gate", True):
+            raise ValueError("attention without the output gate (attn_output_gate false) is not "
+                             "Qwen3.5's")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in text.items() if k in fields}
         for key in ("rope_theta", "partial_rotary_factor"):
             if key in rope:
                 kw[key] = rope[key]
-        # The published 4B keeps tie_word_embeddings at the top level, beside text_config.
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
+        # A published checkpoint ties (or not) its LM head at the top level, as
+        # Qwen3_5ForConditionalGeneration reads it.
+        if "text_config" in config and "tie_word_embeddings" in config:
             kw["tie_word_embeddings"] = config["tie_word_embeddings"]
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default'")
         return cls(**kw)
 
     def to_hf(self) -> dict[str, Any]:
@@ -203,7 +214,7 @@ def tiny_config(**overrides: Any) -> Qwen35Config:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=8, linear_conv_kernel_dim=4,
         layer_types=(LINEAR, LINEAR, FULL, LINEAR, FULL, LINEAR),
-        rope_theta=10_000.0, partial_rotary_factor=0.5, max_position_embeddings=4096,
+        partial_rotary_factor=0.5, max_position_embeddings=4096,
         tie_word_embeddings=False)
     kw.update(overrides)
     return Qwen35Config(**kw)
@@ -352,6 +363,34 @@ class _GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(o.shape)
         return self.out_proj(self.norm(o, z).flatten(-2))
 
+    def _conv_args(self):
+        return self.conv1d.weight[:, 0], None, "silu"
+
+    def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
+                rope: Any) -> torch.Tensor:
+        """A prompt x [n, hidden]: the chunked scan from a zero state, whose final state is
+        loaded into the slot's SSM layer ``layer``."""
+        mixed = cache.conv_prefill(layer, slot, self.in_proj_qkv(x), *self._conv_args())
+        q, k, v = self.split(mixed)
+        g, beta = self.gates(x)
+        rep = self.c.linear_num_value_heads // self.c.linear_num_key_heads
+        o, state = gated_delta_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1),
+                                       v, g, beta)
+        cache.ssm.load_state(layer, slot, state)
+        return self.output(o.to(x.dtype), x)
+
+    def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext, x: torch.Tensor,
+               rope: Any) -> torch.Tensor:
+        """A window x [B, T, hidden] through gdn_decode (q and k normalised and q scaled by
+        the op, as the prefill scan does)."""
+        mixed = cache.conv_decode(layer, ctx, self.in_proj_qkv(x), *self._conv_args())
+        q, k, v = (t.contiguous() for t in self.split(mixed))
+        g, beta = self.gates(x)
+        o = replayssm.gdn_decode(cache.ssm, layer, ctx.slot_ids, q, k, v, g.contiguous(),
+                                 beta.contiguous(), scale=self.c.linear_key_head_dim ** -0.5,
+                                 qk_l2norm=True)
+        return self.output(o, x)
+
 
 class _Attention(nn.Module):
     """Gated softmax attention's weights (transformers' names) and its projections."""
@@ -384,6 +423,19 @@ class _Attention(nn.Module):
         """o [..., H, hd] -> the layer output, gated by sigmoid(gate)."""
         return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
 
+    def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
+                rope: Any) -> torch.Tensor:
+        q, k, v, gate = self.qkv(x, *rope)
+        cache.kv_prefill(layer, slot, k, v)
+        return self.output(causal_attention(q, k, v, self.c.head_dim ** -0.5), gate)
+
+    def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext, x: torch.Tensor,
+               rope: Any) -> torch.Tensor:
+        q, k, v, gate = self.qkv(x, *rope)
+        cache.kv_decode(layer, ctx, k, v)
+        return self.output(cache.attend(layer, ctx, q.contiguous(), self.c.head_dim ** -0.5),
+                           gate)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on x's first rotary_dim dims (rotate-half pairing: dim i with
@@ -407,6 +459,10 @@ class _DecoderLayer(nn.Module):
         self.mlp = _MLP(c)
         self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == LINEAR else self.self_attn
 
 
 class _TextModel(nn.Module):
@@ -434,77 +490,92 @@ class Qwen35Model(HybridModel):
         # The SSM cache's layer index of each GDN layer, the KV cache's of each attention layer.
         self._cache_index = {i: n for n, i in enumerate(config.ssm_layers)}
         self._cache_index.update({i: n for n, i in enumerate(config.attention_layers)})
-        r = config.rotary_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     # ---- construction -----------------------------------------------------------------------
 
     @classmethod
+    def _empty(cls, config: Qwen35Config, device: Any, dtype: torch.dtype) -> "Qwen35Model":
+        """Uninitialised weights on ``device`` (built on the meta device: a 4B layout never
+        passes through host memory)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        if config.tie_word_embeddings:  # to_empty makes new parameters: tie them again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.eval().requires_grad_(False)
+
+    @classmethod
     def random(cls, config: Any, seed: int = 0, device: Any = "cpu",
                dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """Seeded random weights of ``config`` (a Qwen35Config or a config.json dict), scaled so
-        activations stay O(1) through a small model (weights N(0, 1 / fan_in), embeddings
-        N(0, 1)); the parameters transformers initialises to constants are drawn around them
-        (norm weights, dt_bias; A in [0.01, 4]) so that a test sees each one used."""
+        """Seeded random weights of ``config`` (a Qwen35Config or a config.json dict), drawn in
+        fp32 on ``device`` and rounded to ``dtype``, scaled so activations stay O(1) through a
+        small model (weights N(0, 1 / fan_in), embeddings N(0, 1)); the parameters
+        transformers initialises to constants are drawn around them (norm weights, dt_bias) so
+        that a test sees each one used; A uniform in [0.01, 16] as transformers draws it."""
         if isinstance(config, dict):
             config = Qwen35Config.from_hf(config)
-        gen = torch.Generator().manual_seed(seed)
+        model = cls._empty(config, device, dtype)
+        gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
 
         def normal(shape, std):
-            return std * torch.randn(shape, generator=gen)
+            return torch.randn(shape, generator=gen, device=device) * std
 
-        model = cls(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                leaf = name.rsplit(".", 1)[-1]
-                if name.endswith("linear_attn.norm.weight"):      # a plain weight around 1
-                    p.copy_(1.0 + normal(p.shape, 0.1))
-                elif name.endswith("norm.weight"):                # 1 + weight: around 0
-                    p.copy_(normal(p.shape, 0.1))
-                elif leaf == "dt_bias":
-                    p.copy_(1.0 + normal(p.shape, 0.5))
-                elif leaf == "A_log":
-                    p.copy_(torch.empty(p.shape).uniform_(0.01, 4.0, generator=gen).log())
-                elif leaf == "bias" or p.dim() == 1:
-                    p.copy_(normal(p.shape, 0.02))
-                elif name.endswith("conv1d.weight"):              # [C, 1, kernel]
-                    p.copy_(normal(p.shape, p.shape[-1] ** -0.5))
-                elif name.endswith("embed_tokens.weight"):
-                    p.copy_(normal(p.shape, 1.0))
-                else:                                             # Linear [out, in]
-                    p.copy_(normal(p.shape, p.shape[1] ** -0.5))
-        return model.to(device=device, dtype=dtype).eval()
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("linear_attn.norm.weight"):      # a plain weight around 1
+                values = 1.0 + normal(p.shape, 0.1)
+            elif name.endswith("norm.weight"):                # 1 + weight: around 0
+                values = normal(p.shape, 0.1)
+            elif leaf == "dt_bias":
+                values = 1.0 + normal(p.shape, 0.5)
+            elif leaf == "A_log":
+                u = torch.rand(p.shape, generator=gen, device=device)
+                values = torch.log(0.01 + (16.0 - 0.01) * u)
+            elif leaf == "bias":
+                values = normal(p.shape, 0.02)
+            elif name.endswith("conv1d.weight"):              # [C, 1, kernel]
+                values = normal(p.shape, p.shape[-1] ** -0.5)
+            elif name.endswith("embed_tokens.weight"):
+                values = normal(p.shape, 1.0)
+            else:                                             # Linear [out, in]
+                values = normal(p.shape, p.shape[1] ** -0.5)
+            p.copy_(values)
+        return model
 
     @classmethod
     def from_pretrained(cls, path: Any, device: Any = "cpu",
                         dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """A Hugging Face model directory: ``Qwen3_5ForCausalLM``'s (``model.*``, ``lm_head``)
-        or a published ``Qwen3_5ForConditionalGeneration``'s (its text tower under
-        ``model.language_model.*``; the vision tower and the MTP head are skipped)."""
-        from .loader import load_model_dir
+        """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
+        from .loader import read_config, read_tensors
 
-        config_dict, tensors = load_model_dir(path)
-        config = Qwen35Config.from_hf(config_dict)
+        config = Qwen35Config.from_hf(read_config(path))
+        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
+
+    @classmethod
+    def from_tensors(cls, config: Qwen35Config, tensors: dict[str, torch.Tensor],
+                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "Qwen35Model":
+        """A model over ``tensors`` by ``Qwen3_5ForCausalLM``'s names (``model.*``,
+        ``lm_head.weight``) or a published ``Qwen3_5ForConditionalGeneration``'s (the text
+        tower under ``model.language_model.*``; its vision tower and multi-token-prediction
+        head are skipped); refuses a missing, mis-shaped or unknown tensor by name before
+        building anything."""
+        from .loader import check_tensors
+
+        prefix = "model.language_model."
+        tensors = {("model." + k[len(prefix):] if k.startswith(prefix) else k): t
+                   for k, t in tensors.items()}
         with torch.device("meta"):
-            model = cls(config)
-        state = {}
-        for name, t in tensors.items():
-            if name.startswith(("model.visual.", "mtp.")):
-                continue
-            state[name.replace("model.language_model.", "model.", 1)] = t
+            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
+        ignored = ["model.visual.", "mtp."]
         if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-            missing = [m for m in missing if m != "lm_head.weight"]
-        if missing or unexpected:
-            raise ValueError(f"{os.fspath(path)}: weights do not match a Qwen3.5 text model: "
-                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        r = config.rotary_dim
-        model.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
-        return model.to(device=device, dtype=dtype).eval()
+            expected.pop("lm_head.weight")
+            ignored.append("lm_head.weight")
+        check_tensors(expected, tensors, ignored)
+        model = cls._empty(config, device, dtype)
+        params = dict(model.named_parameters())
+        for name in expected:
+            params[name].copy_(tensors[name])
+        return model
 
     def cache_layout(self) -> CacheLayout:
         c = self.config
@@ -519,88 +590,37 @@ class Qwen35Model(HybridModel):
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [..., rotary_dim] at integer positions, computed in fp32 and rounded to the
-        activations' dtype (transformers rounds them there too)."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()
+        activations' dtype (transformers rounds them there too). The inverse frequencies are
+        made here rather than kept as a buffer, which ``model.to(bfloat16)`` would round."""
+        r = self.config.rotary_dim
+        exponent = torch.arange(0, r, 2, dtype=torch.float, device=positions.device) / r
+        freqs = positions.float()[..., None] * (1.0 / (self.config.rope_theta ** exponent))
         emb = torch.cat((freqs, freqs), -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
+    def _stack(self, tokens: torch.Tensor, positions: torch.Tensor, mix) -> torch.Tensor:
+        """Embedding, the decoder layers (``mix(mixer, cache_layer, x, rope)`` runs a layer's
+        GDN or attention, prefill or decode), final norm and LM head; fp32 logits."""
+        h = self.model.embed_tokens(tokens)
+        rope = self._rope(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = h + mix(layer.mixer, self._cache_index[i], layer.input_layernorm(h), rope)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.model.norm(h)).float()
-
-    def _ffn(self, layer: _DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    # ---- prefill ----------------------------------------------------------------------------
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-        cache._check_slot(slot)
-        if tokens.dim() != 1 or tokens.numel() == 0:
-            raise ValueError(f"tokens must be a non-empty 1-D prompt, got {tuple(tokens.shape)}")
-        n = tokens.numel()
-        if n > cache.max_seq_len:
-            raise ValueError(f"a prompt of {n} tokens exceeds max_seq_len ({cache.max_seq_len})")
-        c = self.config
+        cache.check_prompt(slot, tokens)
         tokens = tokens.to(self.lm_head.weight.device)
-        h = self.model.embed_tokens(tokens)
-        cos, sin = self._rope(torch.arange(n, device=h.device), h.dtype)
-        states = []  # the GDN layers' final states: loaded once every layer has succeeded
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            idx = self._cache_index[i]
-            if layer.kind == LINEAR:
-                m = layer.linear_attn
-                mixed = cache.conv_prefill(idx, slot, m.in_proj_qkv(x), m.conv1d.weight[:, 0],
-                                           None, "silu")
-                q, k, v = m.split(mixed)
-                g, beta = m.gates(x)
-                rep = c.linear_num_value_heads // c.linear_num_key_heads
-                o, state = gated_delta_chunked(q.repeat_interleave(rep, 1),
-                                               k.repeat_interleave(rep, 1), v, g, beta)
-                states.append(state)
-                h = h + m.output(o.to(h.dtype), x)
-            else:
-                a = layer.self_attn
-                q, k, v, gate = a.qkv(x, cos, sin)
-                cache.kv_prefill(idx, slot, k, v)
-                h = h + a.output(causal_attention(q, k, v, c.head_dim ** -0.5), gate)
-            h = self._ffn(layer, h)
-        for idx, state in enumerate(states):
-            cache.ssm.load_state(idx, slot, state.contiguous())
-        cache.lengths[slot] = n
-        return self._head(h)
-
-    # ---- decode -----------------------------------------------------------------------------
+        positions = torch.arange(tokens.numel(), device=tokens.device)
+        logits = self._stack(tokens, positions,
+                             lambda m, layer, x, rope: m.prefill(cache, layer, slot, x, rope))
+        cache.lengths[slot] = tokens.numel()
+        return logits
 
     @torch.no_grad()
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.dim() != 2 or tokens.shape[0] != slot_ids.shape[0]:
-            raise ValueError(f"tokens must be [batch, T] with batch = len(slot_ids), got "
-                             f"{tuple(tokens.shape)} for {tuple(slot_ids.shape)}")
-        B, T = tokens.shape
-        ctx = cache.decode_context(slot_ids, T)
-        c = self.config
-        h = self.model.embed_tokens(tokens)
-        cos, sin = self._rope(ctx.positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            idx = self._cache_index[i]
-            if layer.kind == LINEAR:
-                m = layer.linear_attn
-                mixed = cache.conv_decode(idx, ctx, m.in_proj_qkv(x), m.conv1d.weight[:, 0],
-                                          None, "silu")
-                q, k, v = (t.contiguous() for t in m.split(mixed))
-                g, beta = m.gates(x)
-                o = replayssm.gdn_decode(cache.ssm, idx, slot_ids, q, k, v, g.contiguous(),
-                                         beta.contiguous(), scale=c.linear_key_head_dim ** -0.5,
-                                         qk_l2norm=True)
-                h = h + m.output(o, x)
-            else:
-                a = layer.self_attn
-                q, k, v, gate = a.qkv(x, cos, sin)
-                cache.kv_decode(idx, ctx, k, v)
-                o = cache.attend(idx, ctx, q.contiguous(), c.head_dim ** -0.5)
-                h = h + a.output(o, gate)
-            h = self._ffn(layer, h)
-        return self._head(h)
+        ctx = cache.decode_context(slot_ids, tokens)
+        return self._stack(tokens, ctx.positions,
+                           lambda m, layer, x, rope: m.decode(cache, layer, ctx, x, rope))

@@ -1,0 +1,60 @@
+"""Helpers shared by the model families' tests (replayssm.models): where and in which dtype a
+test runs, the tolerance of each state mode, relative errors, single-threaded CPU runs."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+#: (device, dtype) of a model test: fp32 on the CPU (tight comparisons), bf16 on the GPU (the
+#: serving dtype).
+DEVICES = [
+    pytest.param(("cpu", torch.float32), id="cpu-fp32"),
+    pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=[pytest.mark.cuda, _no_cuda]),
+]
+#: The same with fp32 on the GPU too, for the tests that need fp32 arithmetic.
+DEVICES_FP32 = [
+    DEVICES[0],
+    pytest.param(("cuda", torch.float32), id="cuda-fp32", marks=[pytest.mark.cuda, _no_cuda]),
+]
+
+#: Largest relative logits error (max |got - ref| / max |ref| per step) of a state mode against
+#: eager fp32, teacher-forced, on a tiny model with fp32 activations, over a run with several
+#: folds per row. Measured (Nemotron-H tiny, 48 steps, a fold every 4 tokens): fp32 state
+#: 1.1e-6; a bf16 state or checkpoint 1.4e-3 to 3.5e-3; an fp8 checkpoint 1.5e-2. Each bound is
+#: about 3x that, and far below the O(1) error of a wrong state.
+MODE_TOLERANCE = {
+    "eager-bf16": 1e-2,
+    "replay-fp32": 1e-5,
+    "replay-bf16": 1e-2,
+    "replay-fp32+bf16": 1e-2,
+    "replay-fp32+fp8": 5e-2,
+}
+#: Any comparison at bf16 activations (the GPU serving dtype), against transformers or between
+#: modes: every activation rounds to bf16 (8 bits), and a 1-ulp flip early in the stack moves
+#: the logits by a few bf16 steps. Measured on the CPU in bf16: 2.5e-2 between modes, 3.8e-2
+#: against transformers over 64 decode steps; 2x that.
+BF16_ACTIVATIONS_TOLERANCE = 8e-2
+
+
+def mode_tolerance(mode: str, dtype) -> float:
+    """The tolerance of ``mode`` (name without ':L') against eager fp32 at activations ``dtype``."""
+    tol = MODE_TOLERANCE[mode.split(":")[0]]
+    return max(tol, BF16_ACTIVATIONS_TOLERANCE) if dtype == torch.bfloat16 else tol
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref|, in float64."""
+    got, ref = got.double(), ref.double()
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    """Tiny models run ~100x faster on one thread of a loaded 2-core machine than on two
+    (spinning OpenMP workers); restores the thread count after the test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
