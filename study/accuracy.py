@@ -31,6 +31,7 @@ import json
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -208,6 +209,11 @@ def float64_logits(model_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor,
     config = json.loads((Path(model_dir) / "config.json").read_text())
     cls = getattr(transformers, config["architectures"][0])
     hf = cls.from_pretrained(model_dir, dtype=torch.float64).to(tokens.device).eval()
+    for buffer in hf.buffers():
+        # Constants kept in float32 on purpose (RoPE's inverse frequencies): same values, in
+        # float64, so that what is computed from them is float64.
+        if buffer.dtype == torch.float32:
+            buffer.data = buffer.data.double()
     for module in hf.modules():
         # transformers' Mamba-2 floors dt at time_step_min in its whole-sequence scan but not in
         # its one-token step, and decoding (theirs and ours) is steps: the reference follows it.
@@ -302,6 +308,9 @@ def table(results: dict) -> str:
     1024 positions, agreement, loss and free-running divergence."""
     lines = []
     for res in results["models"]:
+        if "error" in res:
+            lines.append(f"\n### {Path(res['model']).name}: failed: {res['error']}\n")
+            continue
         B, N, bin_size = res["streams"], res["length"], res["bin_size"]
         ranges = [(0, 1024), (N // 2 - 512, N // 2 + 512), (N - 1024, N)]
         ranges = [(max(0, a), min(N, b)) for a, b in ranges]
@@ -353,6 +362,8 @@ def plot(path: Path) -> list[Path]:
     results = json.loads(Path(path).read_text())
     written = []
     for res in results["models"]:
+        if "error" in res:
+            continue
         bin_size = res["bin_size"]
         fig, ax = plt.subplots(figsize=(9, 5.5))
         curves = [(m, e["kl"]["by_bin"]) for m, e in res["modes"].items()]
@@ -395,7 +406,12 @@ def run(args) -> dict:
     start = time.perf_counter()
     for model_dir in args.model:
         t0 = time.perf_counter()
-        res = study_model(Path(model_dir), args, modes)
+        # One model's failure is recorded and the next model still runs: a GPU run is batched.
+        try:
+            res = study_model(Path(model_dir), args, modes)
+        except Exception as e:
+            traceback.print_exc()
+            res = {"model": str(model_dir), "error": f"{type(e).__name__}: {e}"}
         res["time_s"] = round(time.perf_counter() - t0, 2)
         results["models"].append(res)
     results["time_s"] = round(time.perf_counter() - start, 2)
@@ -467,7 +483,7 @@ def main(argv=None) -> int:
     results = run(args)
     print(table(results))
     print(f"total {results['time_s']:.0f} s")
-    return 0
+    return 1 if any("error" in res for res in results["models"]) else 0
 
 
 if __name__ == "__main__":

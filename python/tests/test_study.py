@@ -191,8 +191,12 @@ def tiny_hf_model(family, path):
         # Let the state mixers' outputs dominate the residual stream, so the state's rounding
         # shows in the logits well above float32 rounding.
         for name, p in model.named_parameters():
-            if name.endswith(("mixer.in_proj.weight", "linear_attn.in_proj_qkv.weight")):
+            if name.endswith(("mixer.in_proj.weight", "linear_attn.in_proj_qkv.weight",
+                              "linear_attn.out_proj.weight")):
                 p.mul_(30.0)
+            if name.endswith("linear_attn.A_log"):
+                # Slow decay (about 0.97 a token), so the state carries history.
+                p.fill_(math.log(0.05))
         model.lm_head.weight.mul_(10.0)
     model.save_pretrained(path)
     return config.model_type
@@ -243,3 +247,19 @@ def test_accuracy_pipeline_on_a_tiny_model(tmp_path, family):
         return
     (png,) = accuracy.plot(out)
     assert png.name == f"acc_{family}.png" and png.stat().st_size > 0
+
+
+def test_accuracy_records_a_failing_model_and_runs_the_next(tmp_path, capsys):
+    pytest.importorskip("torch")
+    import accuracy
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "heldout.txt").write_text("missing.py\n")
+    args = accuracy.parse_args(["--model", str(broken), "--model", str(broken), "--device", "cpu",
+                                "--corpus-root", str(tmp_path), "--out", str(tmp_path / "a.json"),
+                                "--modes", "replay-fp32"])
+    results = accuracy.run(args)
+    assert [r["error"].split(":")[0] for r in results["models"]] == ["FileNotFoundError"] * 2
+    assert "1 held-out files" in results["models"][0]["error"]
+    assert "failed: FileNotFoundError" in (tmp_path / "a.md").read_text()
