@@ -13,6 +13,21 @@ sys.path.insert(0, str(STUDY))
 import corpus  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The models here are tiny: a thread pool only adds waits to every op (40x on a loaded
+    2-core machine)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def write_tree(root, files):
     for rel, text in files.items():
         path = root / rel
