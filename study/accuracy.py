@@ -236,9 +236,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def study_model(model_dir: Path, args, modes: list[str]) -> dict:
+def study_model(model_dir: Path, args, modes: list[str], budget_s: float = 0.0) -> dict:
+    """The study of one model. With a budget (seconds, > 0), a mode with an explicit buffer
+    length (":L") is skipped when running it, at the reference's speed, would end past the
+    budget; the base modes always run."""
     from replayssm import models
 
+    started = time.perf_counter()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     root = Path(args.corpus_root) if args.corpus_root else corpus.stdlib_root()
@@ -290,7 +294,14 @@ def study_model(model_dir: Path, args, modes: list[str]) -> dict:
                              "time_s": round(time.perf_counter() - t0, 3),
                              "kl_reference_vs_float64": summarize(
                                  kl_divergence(f64, ref_logits[:, :k]), args.bin_size)}
+    per_mode_s = timing["teacher_forced_s"] + timing["free_running_s"]
+    result["skipped"] = []
     for mode in modes:
+        if budget_s > 0 and ":" in mode and (
+                time.perf_counter() - started + per_mode_s > budget_s):
+            result["skipped"].append(mode)
+            print(f"  {mode:24s} skipped: over the time budget ({budget_s:.0f} s)", flush=True)
+            continue
         logits, generated, timing = decode(mode)
         entry = {"timing": timing, "kl": summarize(kl_divergence(ref_logits, logits), args.bin_size),
                  "divergence": first_divergence(ref_generated, generated), **quality(logits)}
@@ -346,6 +357,8 @@ def table(results: dict) -> str:
                          f"KL(float64 transformers || eager-fp32 ours) mean "
                          f"{scale['mean']:.3e}, last 1k {scale['last_1024_mean']:.3e} "
                          f"(float32 results in the float64 forward: {f['float32_results']}).")
+        if res.get("skipped"):
+            lines.append(f"\nSkipped for time: {', '.join(res['skipped'])}.")
         t = ref["timing"]
         lines.append(f"\nStep time {t['ms_per_step']:.3f} ms ({B} rows); run "
                      f"{res['time_s']:.0f} s for this model.")
@@ -408,18 +421,19 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         # One model's failure is recorded and the next model still runs: a GPU run is batched.
         try:
-            res = study_model(Path(model_dir), args, modes)
+            res = study_model(Path(model_dir), args, modes, args.budget_s / len(args.model))
         except Exception as e:
             traceback.print_exc()
             res = {"model": str(model_dir), "error": f"{type(e).__name__}: {e}"}
         res["time_s"] = round(time.perf_counter() - t0, 2)
         results["models"].append(res)
-    results["time_s"] = round(time.perf_counter() - start, 2)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1) + "\n")
-        out.with_suffix(".md").write_text(table(results))
+        results["time_s"] = round(time.perf_counter() - start, 2)
+        # Written after every model, so a run cut short keeps what it finished.
+        if args.out:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1) + "\n")
+            out.with_suffix(".md").write_text(table(results))
     return results
 
 
@@ -450,6 +464,9 @@ def parse_args(argv=None):
     p.add_argument("--bin-size", type=int, default=64, help="positions per bin of the KL curve")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="activation (and weight) dtype of every mode")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="time for all models together: modes with an explicit ':L' that would "
+                        "overrun their model's share are skipped (0: no limit)")
     p.add_argument("--float64-streams", type=int, default=4,
                    help="streams compared with the float64 transformers reference (0: none)")
     p.add_argument("--no-graph", dest="graph", action="store_false",

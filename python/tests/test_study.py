@@ -278,3 +278,23 @@ def test_accuracy_records_a_failing_model_and_runs_the_next(tmp_path, capsys):
     assert [r["error"].split(":")[0] for r in results["models"]] == ["FileNotFoundError"] * 2
     assert "1 held-out files" in results["models"][0]["error"]
     assert "failed: FileNotFoundError" in (tmp_path / "a.md").read_text()
+
+
+def test_accuracy_budget_skips_only_explicit_buffer_lengths(tmp_path):
+    pytest.importorskip("torch")
+    import accuracy
+
+    model_dir = tmp_path / "nemotron_h"
+    tiny_hf_model("nemotron_h", model_dir)
+    small_corpus(tmp_path / "src")
+    corpus.write_list(model_dir / "heldout.txt",
+                      corpus.split(corpus.list_sources(tmp_path / "src"))[1])
+    args = accuracy.parse_args([
+        "--model", str(model_dir), "--corpus-root", str(tmp_path / "src"), "--device", "cpu",
+        "--length", "16", "--streams", "1", "--prompt-len", "4", "--gen-tokens", "4",
+        "--float64-streams", "0", "--budget-s", "1e-6",
+        "--modes", "replay-fp32:8,eager-bf16,replay-fp32+bf16:32"])
+    (res,) = accuracy.run(args)["models"]
+    assert list(res["modes"]) == ["eager-bf16"]
+    assert res["skipped"] == ["replay-fp32:8", "replay-fp32+bf16:32"]
+    assert "float64" not in res
