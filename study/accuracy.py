@@ -245,7 +245,7 @@ def study_model(model_dir: Path, args, modes: list[str], budget_s: float = 0.0) 
     started = time.perf_counter()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    root = Path(args.corpus_root) if args.corpus_root else corpus.stdlib_root()
+    root = corpus.resolve_root(args.corpus_root)
     heldout = corpus.read_list(Path(model_dir) / "heldout.txt")
     missing = [p for p in heldout if not (root / p).is_file()]
     if missing:
@@ -471,8 +471,7 @@ def parse_args(argv=None):
                    help="streams compared with the float64 transformers reference (0: none)")
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="decode without CUDA graphs")
-    p.add_argument("--corpus-root", default=None,
-                   help="where the held-out files are (default: this Python's standard library)")
+    corpus.add_root_argument(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.plot:

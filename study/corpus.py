@@ -24,6 +24,16 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def add_root_argument(parser) -> None:
+    """The scripts' --corpus-root option; `resolve_root(args.corpus_root)` resolves it."""
+    parser.add_argument("--corpus-root", default=None,
+                        help="directory of the .py files (default: this Python's standard library)")
+
+
+def resolve_root(option: "str | None") -> Path:
+    return Path(option) if option else stdlib_root()
+
+
 def list_sources(root: Path) -> list[str]:
     """Sorted paths (relative to root, '/'-separated) of every `.py` file under root."""
     root = Path(root)

@@ -157,7 +157,7 @@ def train(args) -> dict:
     """Run one training as `args` says; writes the output directory and returns the curve."""
     device = torch.device(args.device)
     out = Path(args.out)
-    root = Path(args.corpus_root) if args.corpus_root else corpus.stdlib_root()
+    root = corpus.resolve_root(args.corpus_root)
     train_files, heldout_files = corpus.split(corpus.list_sources(root))
     if not train_files or not heldout_files:
         raise ValueError(f"corpus under {root}: {len(train_files)} train and "
@@ -280,8 +280,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-windows", type=int, default=32,
                    help="held-out windows of --seq-len bytes per evaluation")
-    p.add_argument("--corpus-root", default=None,
-                   help="directory of .py files (default: this Python's standard library)")
+    corpus.add_root_argument(p)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.smoke:
