@@ -88,6 +88,13 @@ def binned_mean(values: torch.Tensor, bin_size: int) -> list[float]:
     return [values[i:i + bin_size].mean().item() for i in range(0, N, bin_size)]
 
 
+def by_phase(values: torch.Tensor, period: int) -> list[float]:
+    """Means of values [N, B] over the positions p with p % period == i, for each i: a replay
+    mode's error as a function of where in its buffer cycle a position falls."""
+    phase = torch.arange(values.shape[0], device=values.device) % period
+    return [values[phase == i].mean().item() for i in range(period)]
+
+
 def summarize(kl: torch.Tensor, bin_size: int) -> dict:
     """KL [N, B] -> mean, max, the mean per position bin, and the mean of the last 1024."""
     return {"mean": kl.mean().item(), "max": kl.max().item(),
@@ -241,6 +248,7 @@ def study_model(model_dir: Path, args, modes: list[str], budget_s: float = 0.0) 
     length (":L") is skipped when running it, at the reference's speed, would end past the
     budget; the base modes always run."""
     from replayssm import models
+    from replayssm.models import StateMode
 
     started = time.perf_counter()
     device = torch.device(args.device)
@@ -297,14 +305,20 @@ def study_model(model_dir: Path, args, modes: list[str], budget_s: float = 0.0) 
     per_mode_s = timing["teacher_forced_s"] + timing["free_running_s"]
     result["skipped"] = []
     for mode in modes:
+        # The last mode's time predicts the next one's (the reference's includes warm-up).
         if budget_s > 0 and ":" in mode and (
                 time.perf_counter() - started + per_mode_s > budget_s):
             result["skipped"].append(mode)
             print(f"  {mode:24s} skipped: over the time budget ({budget_s:.0f} s)", flush=True)
             continue
         logits, generated, timing = decode(mode)
-        entry = {"timing": timing, "kl": summarize(kl_divergence(ref_logits, logits), args.bin_size),
+        per_mode_s = timing["teacher_forced_s"] + timing["free_running_s"]
+        kl = kl_divergence(ref_logits, logits)
+        entry = {"timing": timing, "kl": summarize(kl, args.bin_size),
                  "divergence": first_divergence(ref_generated, generated), **quality(logits)}
+        state_mode = StateMode.parse(mode)
+        if not state_mode.eager:
+            entry["kl_by_phase"] = by_phase(kl, state_mode.buffer_len)
         if k:
             entry["kl_vs_float64"] = summarize(kl_divergence(f64, logits[:, :k]), args.bin_size)
         result["modes"][mode] = entry

@@ -154,6 +154,7 @@ def test_first_divergence_and_binned_mean():
     assert accuracy.first_divergence(ref, other) == [2, 0, 4]
     values = torch.arange(10, dtype=torch.float64)[:, None].repeat(1, 2)
     assert accuracy.binned_mean(values, 4) == [1.5, 5.5, 8.5]
+    assert accuracy.by_phase(values, 4) == [4.0, 5.0, 4.0, 5.0]
 
 
 def test_float64_everywhere_raises_float32_casts():
@@ -251,6 +252,8 @@ def test_accuracy_pipeline_on_a_tiny_model(tmp_path, family):
     assert replay["max"] < 1e-9, replay
     assert eager_bf16["mean"] > 100 * max(replay["mean"], 1e-15), (eager_bf16, replay)
     assert res["modes"]["replay-fp32"]["divergence"] == [12, 12]
+    assert len(res["modes"]["replay-fp32+bf16:8"]["kl_by_phase"]) == 8
+    assert "kl_by_phase" not in res["modes"]["eager-bf16"]
     # Our fp32 model against transformers' in float64: rounding apart, the same model.
     assert res["float64"]["float32_results"] == 0
     assert res["float64"]["kl_reference_vs_float64"]["max"] < 1e-10
