@@ -227,9 +227,10 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a whole sequence, chunk by chunk, in fp32.
 
-    ``q``, ``k`` [n, num_v_heads, K] (raw: L2-normalised here, q scaled by K ** -0.5), ``v``
-    [n, H, V], ``g`` (log-decay), ``beta`` [n, H]; ``state`` [H, V, K] (None: zeros). Returns
-    (o [n, H, V], final state [H, V, K]), both fp32. Per token, with S [V, K]:
+    ``q``, ``k`` [n, H, K] (one per value head; raw: L2-normalised here, q scaled by
+    K ** -0.5), ``v`` [n, H, V], ``g`` (log-decay, <= 0), ``beta`` [n, H]; ``state`` [H, V, K]
+    (None: zeros). Returns (o [n, H, V], final state [H, V, K]), both fp32. Per token, with
+    S [V, K]:
 
         S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t.
 
@@ -237,8 +238,9 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     d_i = beta_i (v_i - exp(g_i) S_{i-1} k_i) solve the unit lower-triangular system
     (I + A) D = beta V - diag(beta e^c) K S_0^T,  A_ij = beta_i e^(c_i - c_j) k_i.k_j (j < i);
     then O = diag(e^c) Q S_0^T + (Q K^T o e^(c_i - c_j), j <= i) D and
-    S_C = e^(c_C) S_0 + D^T diag(e^(c_C - c)) K: two triangular solves and a few matmuls per
-    chunk instead of C rank-one updates.
+    S_C = e^(c_C) S_0 + D^T diag(e^(c_C - c)) K: one triangular solve and a few matmuls per
+    chunk instead of C rank-one updates. Only differences c_i - c_j <= 0 are exponentiated
+    besides e^c itself, so no factor overflows however strong the decay.
     """
     n, H, K = k.shape
     V = v.shape[-1]
@@ -369,7 +371,8 @@ class _GatedDeltaNet(nn.Module):
     def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
                 rope: Any) -> torch.Tensor:
         """A prompt x [n, hidden]: the chunked scan from a zero state, whose final state is
-        loaded into the slot's SSM layer ``layer``."""
+        loaded into the slot's SSM layer ``layer`` (``rope``: the mixers' shared signature;
+        unused here)."""
         mixed = cache.conv_prefill(layer, slot, self.in_proj_qkv(x), *self._conv_args())
         q, k, v = self.split(mixed)
         g, beta = self.gates(x)
@@ -499,7 +502,7 @@ class Qwen35Model(HybridModel):
         passes through host memory)."""
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
+        model = model.to(dtype).to_empty(device=device)
         if config.tie_word_embeddings:  # to_empty makes new parameters: tie them again
             model.lm_head.weight = model.model.embed_tokens.weight
         return model.eval().requires_grad_(False)
