@@ -20,13 +20,10 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "nanobind", 
       "scikit-build-core", scikit_build_core.__version__, "exchange API",
       [a for a in ("__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__") if hasattr(torch.Tensor, a)])
 PY
-start=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -v . \
-  -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90-real -C build-dir=/tmp/replayssm-build \
-  >"$OUT/pip.log" 2>&1
+msg=$(scripts/device_install.sh "$OUT/pip.log")
 rc=$?
-log "pip install --no-build-isolation: rc=$rc in $(( $(date +%s) - start )) s"
-[ $rc = 0 ] || { grep -E "error|Error" "$OUT/pip.log" | head -30; exit 1; }
+log "$msg"
+[ $rc = 0 ] || exit 1
 
 cd /tmp  # import the installed package, not the source tree
 python3 -m replayssm.bench_overhead --json "$OUT/overhead.json" >"$OUT/overhead.txt" 2>&1

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The Python package's tests: `pip install .` into a fresh virtual environment (build-python/venv),
-# then pytest (python/tests). Without PyTorch its torch tests skip, and without a GPU its CUDA
-# tests skip.
+# then pytest (python/tests). PyTorch and transformers are installed into that environment
+# (from PyPI, about 3 GB with PyTorch's CUDA libraries) so that the torch tests and the
+# end-to-end model tests (ours against transformers' models, on tiny configs) run on the CPU;
+# REPLAYSSM_PYTHON_TORCH=OFF skips them, as does a failed install (with a warning). Without a
+# GPU the CUDA tests skip.
 #   REPLAYSSM_PYTHON_CUDA=OFF (the default here) builds the package CPU-only: the C++ build has
 #   already compiled the CUDA backend, and no test can run it without a GPU. =ON builds the
 #   CUDA backend when nvcc is found, as a plain `pip install .` does.
@@ -21,6 +24,14 @@ if ! "$python" -m venv --clear "$venv" >/dev/null 2>&1; then
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q pytest
+if [ "${REPLAYSSM_PYTHON_TORCH:-ON}" = ON ]; then
+  start=$(date +%s)
+  if "$venv/bin/python" -m pip install -q "torch==2.11.*" "transformers==5.17.*" safetensors; then
+    echo "test_python: torch and transformers installed in $(( $(date +%s) - start )) s"
+  else
+    echo "test_python: WARNING: could not install torch/transformers; their tests will skip" >&2
+  fi
+fi
 cuda=${REPLAYSSM_PYTHON_CUDA:-OFF}
 define=()
 [ "$cuda" = ON ] || define=(-C cmake.define.REPLAYSSM_ENABLE_CUDA=OFF)

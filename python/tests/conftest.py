@@ -3,6 +3,12 @@ aligned NumPy buffers for views, and a driver that runs a cache step by step aga
 float64 oracle (reference.py) with random acceptance."""
 
 import dataclasses
+import os
+
+# PyTorch and the library's CPU backend each bring an OpenMP runtime; their idle threads spin by
+# default and, on a small CPU, starve each other (tiny model steps ran 10-70x slower). Sleeping
+# idle threads must be chosen before either runtime loads, so before any import below.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import pytest

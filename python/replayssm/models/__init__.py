@@ -28,6 +28,8 @@ __all__ = ["CacheLayout", "DecodeContext", "FAMILIES", "HybridModel", "ServingCa
 #: config.json's ``model_type`` -> "module:class" of the family's HybridModel.
 FAMILIES = {
     "nemotron_h": "nemotron_h:NemotronHModel",
+    "qwen3_5_text": "qwen3_5:Qwen35Model",  # what Qwen3_5ForCausalLM.save_pretrained writes
+    "qwen3_5": "qwen3_5:Qwen35Model",  # the published checkpoints (text tower under text_config)
 }
 
 
