@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The accuracy study on the GPU machine (run from anywhere; needs the trained models unpacked
-# into study/models/, see study/README.md). Carry [".deps"] as for scripts/device_python.sh.
+# into study/models/, see study/README.md). Carry [".deps"] for scripts/device_install.sh.
 #
-# 1. `pip install --no-build-isolation .` (CUDA backend, sm_90; the build folder
-#    /tmp/replayssm-build is shared with scripts/device_python.sh, so a warm machine rebuilds
+# 1. scripts/device_install.sh (the package with the CUDA backend; a warm machine rebuilds
 #    little; SKIP_INSTALL=1 skips it).
 # 2. accuracy.py with float32 activations: every state mode, L = 8, 16, 32, 16 streams of 8192
 #    bytes, free-running 1024 tokens, the float64 reference over 4 streams (about 2-3 minutes for
@@ -21,9 +20,8 @@ cd "$(dirname "$0")/.."
 root=$PWD
 : "${OUT:?set OUT to the output directory}"
 mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-export REPLAYSSM_THIRD_PARTY_INCLUDE=${REPLAYSSM_THIRD_PARTY_INCLUDE:-$root/.deps/include}
 read -r -a models <<<"${MODELS:-study/models/nemotron_h study/models/qwen3_5}"
 model_args=()
 for m in "${models[@]}"; do
@@ -35,15 +33,7 @@ for m in "${models[@]}"; do
 done
 
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-  start=$SECONDS
-  if ! "$python" -m pip install --no-build-isolation --no-deps . \
-      -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90-real -C build-dir=/tmp/replayssm-build \
-      >"$OUT/pip.log" 2>&1; then
-    echo "pip install failed:"
-    grep -E "error|Error" "$OUT/pip.log" | head -20
-    exit 1
-  fi
-  echo "pip install: $((SECONDS - start)) s"
+  scripts/device_install.sh "$OUT/pip.log" || exit 1
 fi
 
 cd /tmp  # import the installed package, not the source tree
