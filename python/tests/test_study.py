@@ -301,3 +301,29 @@ def test_accuracy_budget_skips_only_explicit_buffer_lengths(tmp_path):
     assert list(res["modes"]) == ["eager-bf16"]
     assert res["skipped"] == ["replay-fp32:8", "replay-fp32+bf16:32"]
     assert "float64" not in res
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_graph_replayed_steps_equal_eager_steps(tmp_path, family):
+    """The study's CUDA-graph decoding is the eager decoding, teacher-forced and free-running:
+    the graph replays the same kernels on the same buffers (a tolerance, not bit equality, in
+    case cuBLAS picks another algorithm under capture)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import accuracy
+    from replayssm import models
+
+    tiny_hf_model(family, tmp_path / family)
+    model = models.load(str(tmp_path / family), device="cuda", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (3, 48), generator=gen).cuda()
+    with torch.no_grad():
+        for mode in ("eager-fp32", "replay-fp32+bf16:8"):
+            eager = accuracy.teacher_forced(model, mode, tokens, use_graph=False)
+            graphed = accuracy.teacher_forced(model, mode, tokens, use_graph=True)
+            torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5, msg=mode)
+            eager = accuracy.free_running(model, mode, tokens[:, :8], 16, use_graph=False)
+            graphed = accuracy.free_running(model, mode, tokens[:, :8], 16, use_graph=True)
+            assert torch.equal(eager, graphed), mode
