@@ -35,6 +35,22 @@ class StateCache:
     def commit(self, slot_ids: Any, accepted: Any, stream: Any,
                buffers: Sequence[Any] | None) -> None: ...
     def fold(self, slot_ids: Any, stream: Any, buffers: Sequence[Any] | None) -> None: ...
+    def materialize(self, slot_ids: Any, positions: Any, out: Any, stream: Any,
+                    buffers: Sequence[Any] | None) -> None:
+        """slot_ids int32 [batch], positions int32/uint32 [batch] -> out float32
+        [batch, num_layers, heads, rows, cols]."""
+    def read_records(self, slot: int, first: int, vec: Any, key: Any, key_scale: Any | None,
+                     write: Any, decay: Any, stream: Any,
+                     buffers: Sequence[Any] | None) -> None:
+        """Writes the records of positions first .. first + vec.shape[1] - 1."""
+    def restore(self, slot: int, position: int, states: Any, vec: Any | None, key: Any | None,
+                key_scale: Any | None, write: Any | None, decay: Any | None, stream: Any,
+                buffers: Sequence[Any] | None) -> None:
+        """states float32 [num_layers, heads, rows, cols]; records all None for none."""
+    def fork(self, src_slots: Any, dst_slots: Any, positions: Any, stream: Any,
+             buffers: Sequence[Any] | None) -> None: ...
+    def truncate(self, slot_ids: Any, positions: Any, stream: Any,
+                 buffers: Sequence[Any] | None) -> None: ...
     def is_allocated(self, slot: int) -> bool: ...
     def buffer_arrays(self) -> dict[str, Any]: ...
     @property

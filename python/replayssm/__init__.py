@@ -3,8 +3,11 @@
 A :class:`StateCache` holds, for every slot (a decoding sequence) and layer, a checkpoint of the
 recurrent state and a ring of the recent tokens' SSM inputs; :func:`mamba2_decode` and
 :func:`gdn_decode` compute a step's outputs from the two, and :meth:`StateCache.commit` accepts
-the tokens of a (speculative) window. Arrays are passed through DLPack, zero-copy: NumPy arrays
-on the CPU, PyTorch (or CuPy) tensors on either device. ``replayssm.torch`` registers the ops
+the tokens of a (speculative) window. For prefix caching, :meth:`StateCache.materialize`
+gives the exact state at any committed token since the last fold, :meth:`StateCache.restore`
+loads such an entry into a slot, :meth:`StateCache.fork` copies a slot at a position, and
+:meth:`StateCache.truncate` rolls one back. Arrays are passed through DLPack, zero-copy: NumPy
+arrays on the CPU, PyTorch (or CuPy) tensors on either device. ``replayssm.torch`` registers the ops
 with PyTorch (``torch.library``) for CUDA graphs and ``torch.compile``.
 
 Every error raises with the library's message (``ValueError`` for a bad argument,
@@ -29,6 +32,7 @@ except metadata.PackageNotFoundError:  # imported from a source tree
 __all__ = [
     "BufferSpec",
     "CacheConfig",
+    "CacheRecords",
     "StateCache",
     "cache_buffers",
     "cuda_available",
@@ -144,6 +148,36 @@ class CacheConfig:
     def ring_capacity(self) -> int:
         """Ring entries per slot and layer (0 for eager caches)."""
         return self._native.ring_capacity
+
+    def record_shapes(self, count: int) -> "CacheRecords":
+        """The shapes of :class:`CacheRecords` of ``count`` tokens (key_scale None for
+        Mamba-2)."""
+        heads, rows, cols = self.state_shape
+        key_heads = self.num_groups if self.kind == "mamba2" else self.num_k_heads
+        L = self.num_layers
+        return CacheRecords(vec=(L, count, heads, rows), key=(L, count, key_heads, cols),
+                            key_scale=(L, count, key_heads) if self.kind == "gdn" else None,
+                            write=(L, count, heads), decay=(L, count, heads))
+
+
+class CacheRecords(NamedTuple):
+    """Ring records of ``count`` consecutive committed tokens of every layer of a slot, outside
+    the cache: what :meth:`StateCache.read_records` returns and :meth:`StateCache.restore`
+    takes, stored beside a materialized state (a few KB per token and layer, against a state's
+    MBs). ``heads, rows, cols`` are ``CacheConfig.state_shape``; ``key_heads`` is Mamba-2's
+    ``num_groups``, GDN's ``num_k_heads``. Arrays live where the cache's memory is (host for CPU
+    caches, device for CUDA caches); see :meth:`CacheConfig.record_shapes`."""
+
+    vec: Any
+    """[num_layers, count, heads, rows] in the input dtype (Mamba-2 x, GDN v)."""
+    key: Any
+    """[num_layers, count, key_heads, cols] in the input dtype (Mamba-2 B, GDN raw k)."""
+    key_scale: Any
+    """GDN: [num_layers, count, key_heads] float32 (k's normalisation); None for Mamba-2."""
+    write: Any
+    """[num_layers, count, heads] float32 (Mamba-2 softplus(dt + dt_bias), GDN beta)."""
+    decay: Any
+    """[num_layers, count, heads] float32 (Mamba-2 A * that, GDN g)."""
 
 
 class BufferSpec(NamedTuple):
@@ -274,6 +308,97 @@ class StateCache:
         now (decodes also fold by themselves once ``buffer_len`` tokens are due)."""
         self._native.fold(slot_ids, self._array_stream(stream, slot_ids), None)
 
+    # ---- prefix caching ---------------------------------------------------------------------
+    # Positions are a slot's cursor values: absolute token counts from its allocation (or from
+    # the position a restore set), 32-bit and compared modulo 2^32 (int32 or uint32 arrays; the
+    # same bits). A position p is in reach of a slot when folded <= p <= committed for every
+    # layer (buffers "folded" [num_layers, capacity] and "committed" [capacity]): the tokens
+    # since the slot's last fold, at most buffer_len - 1 + max_spec_tokens of them. Eager caches
+    # refuse every prefix op (NotImplementedError): they hold only the state at their end.
+
+    def materialize(self, slot_ids: Any, positions: Any, out: Any = None, *,
+                    stream: Any = None) -> Any:
+        """The exact state of every layer of slot ``slot_ids[b]`` after position
+        ``positions[b]`` (int32 [batch] each, in the cache's memory; -1 = pad row, its output
+        left as it was; a slot may repeat), as float32 [batch, num_layers, *config.state_shape]:
+        what an engine stores as a prefix-cache entry. The cache is only read. With an fp32
+        master checkpoint the state equals, bit for bit on the CPU, the checkpoint a fold to
+        that position would store (a shared bf16 checkpoint stores it rounded to bf16).
+
+        Written into ``out`` or a new array (NumPy for CPU caches; a ``replayssm.torch`` cache
+        makes a tensor on its device; other CUDA caches need ``out``); returns it. A CPU cache
+        refuses a slot not allocated or a position out of reach (ValueError, nothing written);
+        a CUDA cache checks on the device without a host round trip: such rows are skipped,
+        and a layer whose position is out of reach gets NaNs (which :meth:`restore` refuses)."""
+        if out is None:
+            out = self._new_states(len(slot_ids))
+        self._native.materialize(slot_ids, positions, out, self._array_stream(stream, slot_ids),
+                                 None)
+        return out
+
+    def read_records(self, slot: int, first: int, count: int, out: CacheRecords | None = None,
+                     *, stream: Any = None) -> CacheRecords:
+        """The ring records of positions ``first .. first + count - 1`` of ``slot`` (every
+        layer), to store beside the state materialized at ``first``: with them, :meth:`restore`
+        continues a hit that ends anywhere up to ``first + count``. ``first`` and
+        ``first + count`` must both be in reach. Written into ``out`` (:class:`CacheRecords` of
+        ``config.record_shapes(count)``) or new arrays; returns them. Synchronises the stream
+        on CUDA caches."""
+        if out is None:
+            out = self._new_records(count)
+        self._native.read_records(slot, first, *out, self._array_stream(stream, out.vec), None)
+        return out
+
+    def restore(self, slot: int, position: int, states: Any, records: CacheRecords | None = None,
+                *, stream: Any = None) -> None:
+        """Loads a stored entry into an allocated ``slot``, replacing everything of it: every
+        layer's checkpoint from ``states`` (float32 [num_layers, *config.state_shape], finite;
+        a low copy is rounded from it as a fold rounds), the slot's cursors at ``position``
+        (folded = position, committed = position + records' count), and ``records`` (or None)
+        of the tokens after it into the ring. Decoding on then equals decoding on from the slot
+        the entry was taken from. Refused with nothing written: a slot not allocated or with an
+        uncommitted window, a non-finite state, more records than a slot holds
+        (buffer_len - 1 + max_spec_tokens), arrays of the wrong shape or dtype. Synchronises the
+        stream on CUDA caches (not capturable in a CUDA graph)."""
+        fields = (None,) * 5 if records is None else tuple(records)
+        self._native.restore(slot, position, states, *fields,
+                             self._array_stream(stream, states), None)
+
+    def fork(self, src_slots: Any, dst_slots: Any, positions: Any, *, stream: Any = None) -> Any:
+        """Makes slot ``dst_slots[b]`` a copy of slot ``src_slots[b]`` at ``positions[b]``
+        (int32 [batch] each, in the cache's memory; src -1 = pad row): every layer's
+        checkpoint, the ring records up to the position, the cursors (committed = position, no
+        uncommitted window). The sources are only read; decoding a copy equals decoding its
+        source from that position on (parallel sampling, beams). The dst slots must be
+        allocated; ``dst_slots=None`` allocates one new slot per row (no pad rows then; CPU
+        caches and ``replayssm.torch`` caches) and frees them again if the fork is refused.
+        Returns the dst slots.
+
+        A CPU cache refuses, with nothing written, a slot not allocated, a dst equal to its src,
+        repeated, or the src of another row, and a position out of reach. A CUDA cache checks
+        on the device: such rows are skipped (a dst that repeats or is another row's src is not
+        detected there)."""
+        allocated: list[int] = []
+        try:
+            if dst_slots is None:
+                allocated += (self.allocate(stream=stream) for _ in range(len(src_slots)))
+                dst_slots = self._new_rows(allocated)
+            self._native.fork(src_slots, dst_slots, positions,
+                              self._array_stream(stream, src_slots), None)
+        except BaseException:
+            for slot in allocated:
+                self.free(slot, stream=stream)
+            raise
+        return dst_slots
+
+    def truncate(self, slot_ids: Any, positions: Any, *, stream: Any = None) -> None:
+        """Moves slot ``slot_ids[b]``'s committed end back to ``positions[b]`` (int32 [batch]
+        each, in the cache's memory; -1 = pad row): the tokens after it are dropped, with any
+        uncommitted window, and decoding on equals decoding from that position. A CPU cache
+        refuses a slot not allocated or repeated and a position out of reach, with nothing
+        changed; a CUDA cache skips such rows on the device (a repeat is not detected)."""
+        self._native.truncate(slot_ids, positions, self._array_stream(stream, slot_ids), None)
+
     # Hooks for replayssm.torch: the stream of a call without arrays, and of one with `array`
     # (the compiled module takes the arrays' framework's current stream by itself where the
     # framework tells it), and the decodes (one Python call each: they are the hot path).
@@ -287,9 +412,38 @@ class StateCache:
         return _empty_like(x)
 
     def _new_state(self) -> Any:
+        return self._new_array(self.config.state_shape, "float32")
+
+    def _new_array(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A new array of a library dtype name; NumPy holds bf16 as its uint16 bits."""
+        if self.config.device != "cpu":
+            raise TypeError("pass out= (arrays in the CUDA cache's device memory), or use a "
+                            "replayssm.torch.StateCache, which allocates them")
         import numpy
 
-        return numpy.empty(self.config.state_shape, numpy.float32)
+        return numpy.empty(shape, numpy.uint16 if dtype == "bfloat16" else numpy.dtype(dtype))
+
+    def _new_rows(self, values: list[int]) -> Any:
+        """An int32 [batch] array of `values` where the cache's row lists live."""
+        if self.config.device != "cpu":
+            raise TypeError("pass dst_slots (an int32 array in the CUDA cache's device "
+                            "memory), or use a replayssm.torch.StateCache")
+        import numpy
+
+        return numpy.array(values, numpy.int32)
+
+    def _new_states(self, batch: int) -> Any:
+        """materialize's output for `batch` rows."""
+        c = self.config
+        return self._new_array((batch, c.num_layers, *c.state_shape), "float32")
+
+    def _new_records(self, count: int) -> CacheRecords:
+        """read_records' output for `count` tokens: activations in the input dtype, the rest
+        float32 (no key_scale for Mamba-2)."""
+        act = self.config.input_dtype
+        dtypes = (act, act, "float32", "float32", "float32")
+        return CacheRecords(*(None if shape is None else self._new_array(shape, dtype)
+                              for shape, dtype in zip(self.config.record_shapes(count), dtypes)))
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
         _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,

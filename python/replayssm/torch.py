@@ -1,5 +1,6 @@
 """replayssm for PyTorch: a state cache over torch tensors and the ops registered with
-``torch.library`` (``torch.ops.replayssm.mamba2_decode``, ``gdn_decode``, ``commit``, ``fold``).
+``torch.library`` (``torch.ops.replayssm.mamba2_decode``, ``gdn_decode``, ``commit``, ``fold``,
+and the prefix-caching ``materialize``, ``read_records``, ``restore``, ``fork``, ``truncate``).
 
     import replayssm, replayssm.torch
     cache = replayssm.torch.StateCache(config)          # buffers: torch tensors on config.device
@@ -9,7 +10,10 @@
 Streams. Every op runs on PyTorch's current stream of the tensors' device (what
 ``torch.cuda.current_stream()`` returns; inside ``torch.cuda.graph`` the capture stream), taken
 through the DLPack C exchange API without a Python call; ``stream=`` overrides it. Nothing in a
-decode or commit allocates or synchronises, so whole steps can be captured in a CUDA graph.
+decode or commit allocates or synchronises, so whole steps can be captured in a CUDA graph; nor
+does materialize, fork or truncate with their lists and ``out`` given. ``restore`` and
+``read_records`` synchronise (the library checks the slot's cursors on the host): they work under
+``torch.compile`` but not inside a captured graph.
 
 torch.compile. A cache's buffers are torch tensors, and every registered op declares them
 mutated (``Tensor(a!)[] buffers``), along with ``out``: the compiler orders decodes and commits by
@@ -34,7 +38,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.compiler import is_compiling as _is_compiling
 
-from . import CacheConfig, _C, cache_buffers
+from . import CacheConfig, CacheRecords, _C, cache_buffers
 from . import StateCache as _StateCache
 
 __all__ = ["StateCache", "allocate_buffers"]
@@ -130,9 +134,58 @@ class StateCache(_StateCache):
     def _empty_like(self, x: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x)
 
-    def _new_state(self) -> torch.Tensor:
-        return torch.empty(self.config.state_shape, dtype=torch.float32,
-                           device=self._buffer_list[0].device)
+    def _new_array(self, shape: Any, dtype: str) -> torch.Tensor:
+        return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=self._buffer_list[0].device)
+
+    def _new_rows(self, values: List[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self._buffer_list[0].device)
+
+    # The prefix ops: registered ops while Dynamo traces, the library directly otherwise.
+    def materialize(self, slot_ids: torch.Tensor, positions: torch.Tensor,
+                    out: Optional[torch.Tensor] = None, *, stream: Any = None) -> torch.Tensor:
+        if not _is_compiling():
+            return super().materialize(slot_ids, positions, out, stream=stream)
+        _no_stream_when_compiling(stream)
+        if out is None:
+            out = self._new_states(slot_ids.shape[0])
+        torch.ops.replayssm.materialize(self._id, slot_ids, positions, out, self._buffer_list)
+        return out
+
+    def read_records(self, slot: int, first: int, count: int,
+                     out: Optional[CacheRecords] = None, *, stream: Any = None) -> CacheRecords:
+        if not _is_compiling():
+            return super().read_records(slot, first, count, out, stream=stream)
+        _no_stream_when_compiling(stream)
+        if out is None:
+            out = self._new_records(count)
+        torch.ops.replayssm.read_records(self._id, slot, first, *out, self._buffer_list)
+        return out
+
+    def restore(self, slot: int, position: int, states: torch.Tensor,
+                records: Optional[CacheRecords] = None, *, stream: Any = None) -> None:
+        if not _is_compiling():
+            return super().restore(slot, position, states, records, stream=stream)
+        _no_stream_when_compiling(stream)
+        fields = (None,) * 5 if records is None else tuple(records)
+        torch.ops.replayssm.restore(self._id, slot, position, states, *fields, self._buffer_list)
+
+    def fork(self, src_slots: torch.Tensor, dst_slots: Optional[torch.Tensor],
+             positions: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
+        if not _is_compiling():
+            return super().fork(src_slots, dst_slots, positions, stream=stream)
+        _no_stream_when_compiling(stream)
+        if dst_slots is None:
+            raise ValueError("under torch.compile fork takes dst_slots (allocating slots is a "
+                             "host decision: allocate them before the compiled step)")
+        torch.ops.replayssm.fork(self._id, src_slots, dst_slots, positions, self._buffer_list)
+        return dst_slots
+
+    def truncate(self, slot_ids: torch.Tensor, positions: torch.Tensor, *,
+                 stream: Any = None) -> None:
+        if not _is_compiling():
+            return super().truncate(slot_ids, positions, stream=stream)
+        _no_stream_when_compiling(stream)
+        torch.ops.replayssm.truncate(self._id, slot_ids, positions, self._buffer_list)
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
         if _is_compiling():
@@ -218,3 +271,70 @@ def _fold_op(cache: int, slot_ids: torch.Tensor, buffers: List[torch.Tensor]) ->
 @_fold_op.register_fake
 def _(cache, slot_ids, buffers):
     return None
+
+
+# ---- the prefix ops ---------------------------------------------------------------------------
+# materialize and read_records only read the cache: their buffers are inputs, so the compiler
+# orders them after every earlier mutation of the cache and before every later one. Like the
+# ops above, none returns anything: their fakes have nothing to build.
+
+def _returns_nothing(*args: Any) -> None:
+    return None
+
+
+@torch.library.custom_op("replayssm::materialize", mutates_args=("out",))
+def _materialize_op(cache: int, slot_ids: torch.Tensor, positions: torch.Tensor,
+                    out: torch.Tensor, buffers: List[torch.Tensor]) -> None:
+    """StateCache.materialize on the cache with id ``cache``, writing ``out``."""
+    _cache(cache)._native.materialize(slot_ids, positions, out, _current_stream(slot_ids),
+                                      buffers)
+
+
+_materialize_op.register_fake(_returns_nothing)
+
+
+@torch.library.custom_op("replayssm::read_records",
+                         mutates_args=("vec", "key", "key_scale", "write", "decay"))
+def _read_records_op(cache: int, slot: int, first: int, vec: torch.Tensor, key: torch.Tensor,
+                     key_scale: Optional[torch.Tensor], write: torch.Tensor,
+                     decay: torch.Tensor, buffers: List[torch.Tensor]) -> None:
+    """StateCache.read_records on the cache with id ``cache``, writing the record tensors."""
+    _cache(cache)._native.read_records(slot, first, vec, key, key_scale, write, decay,
+                                       _current_stream(vec), buffers)
+
+
+_read_records_op.register_fake(_returns_nothing)
+
+
+@torch.library.custom_op("replayssm::restore", mutates_args=("buffers",))
+def _restore_op(cache: int, slot: int, position: int, states: torch.Tensor,
+                vec: Optional[torch.Tensor], key: Optional[torch.Tensor],
+                key_scale: Optional[torch.Tensor], write: Optional[torch.Tensor],
+                decay: Optional[torch.Tensor], buffers: List[torch.Tensor]) -> None:
+    """StateCache.restore on the cache with id ``cache`` (records all None for none)."""
+    _cache(cache)._native.restore(slot, position, states, vec, key, key_scale, write, decay,
+                                  _current_stream(states), buffers)
+
+
+_restore_op.register_fake(_returns_nothing)
+
+
+@torch.library.custom_op("replayssm::fork", mutates_args=("buffers",))
+def _fork_op(cache: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+             positions: torch.Tensor, buffers: List[torch.Tensor]) -> None:
+    """StateCache.fork on the cache with id ``cache``."""
+    _cache(cache)._native.fork(src_slots, dst_slots, positions, _current_stream(src_slots),
+                               buffers)
+
+
+_fork_op.register_fake(_returns_nothing)
+
+
+@torch.library.custom_op("replayssm::truncate", mutates_args=("buffers",))
+def _truncate_op(cache: int, slot_ids: torch.Tensor, positions: torch.Tensor,
+                 buffers: List[torch.Tensor]) -> None:
+    """StateCache.truncate on the cache with id ``cache``."""
+    _cache(cache)._native.truncate(slot_ids, positions, _current_stream(slot_ids), buffers)
+
+
+_truncate_op.register_fake(_returns_nothing)

@@ -99,6 +99,7 @@ const char* elem_name(Elem e) {
     case Elem::kBF16: return "bfloat16 (or its bits as uint16)";
     case Elem::kF16: return "float16";
     case Elem::kI32: return "int32";
+    case Elem::kPosition: return "int32 (or uint32)";
   }
   return "?";
 }
@@ -112,6 +113,7 @@ bool elem_matches(Elem e, nb::dlpack::dtype t) {
     case Elem::kBF16: return (code == Code::Bfloat || code == Code::UInt) && t.bits == 16;
     case Elem::kF16: return code == Code::Float && t.bits == 16;
     case Elem::kI32: return code == Code::Int && t.bits == 32;
+    case Elem::kPosition: return (code == Code::Int || code == Code::UInt) && t.bits == 32;
   }
   return false;
 }

@@ -83,8 +83,9 @@ class ArrayReader {
 enum class Placement : std::uint8_t { kCacheDevice, kHostOrCacheDevice };
 
 /// The element types the ops take: the cache's activation dtypes (bf16 also as its bits in a
-/// uint16 view), fp32, and int32 for slot ids and counts.
-enum class Elem : std::uint8_t { kF32, kBF16, kF16, kI32 };
+/// uint16 view), fp32, int32 for slot ids and counts, and positions: the cursors' u32 as int32
+/// (how torch holds them) or uint32 (how NumPy does), the same bits.
+enum class Elem : std::uint8_t { kF32, kBF16, kF16, kI32, kPosition };
 Elem elem_of(DType activation_dtype);
 
 /// Raises ValueError naming `op` and the array unless it has element type `elem`, shape

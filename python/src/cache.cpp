@@ -83,21 +83,6 @@ nb::object buffer_array(PyCache& self, const CacheBufferSpec& spec, nb::handle o
   return nb::cast(nd, nb::rv_policy::reference);
 }
 
-// Slot ids (and accepted counts) of a commit or fold: int32 [batch] in the cache's memory;
-// `batch` < 0 takes it from the array.
-Array read_rows(ArrayReader& reader, const PyCache& self, nb::handle obj, const char* op,
-                const char* name, std::int64_t batch) {
-  const Array a = reader.read(obj, op, name, Access::kRead);
-  if (batch < 0) batch = dim_of(op, a, 1, 0, "([batch])");
-  expect(op, a, Elem::kI32, {batch}, "([batch])", self.config().device, self.device_id);
-  return a;
-}
-
-int batch_of(std::int64_t n) {
-  if (n > INT32_MAX) throw nb::value_error("batch is too large");
-  return static_cast<int>(n);
-}
-
 // load_state / export_state: one layer's fp32 state [heads, rows, cols], host memory or (CUDA
 // caches) device memory; both synchronise the stream, so they run without the GIL.
 template <typename Call>
@@ -162,6 +147,19 @@ void fold(PyCache& self, nb::handle slot_ids, nb::handle stream, nb::handle buff
 }
 
 }  // namespace
+
+Array read_rows(ArrayReader& reader, const PyCache& self, nb::handle obj, const char* op,
+                const char* name, std::int64_t batch, Elem elem) {
+  const Array a = reader.read(obj, op, name, Access::kRead);
+  if (batch < 0) batch = dim_of(op, a, 1, 0, "([batch])");
+  expect(op, a, elem, {batch}, "([batch])", self.config().device, self.device_id);
+  return a;
+}
+
+int batch_of(std::int64_t n) {
+  if (n > INT32_MAX) throw nb::value_error("batch is too large");
+  return static_cast<int>(n);
+}
 
 void check(const Status& status) {
   if (status.is_ok()) return;
@@ -331,7 +329,8 @@ void bind_cache(nb::module_& m) {
         return 0;
       });
 
-  nb::class_<PyCache>(m, "StateCache")
+  nb::class_<PyCache> cache_class(m, "StateCache");
+  cache_class
       .def("__init__", &cache_init, nb::arg("config"), nb::arg("buffers").none(),
            nb::arg("adopt"), nb::arg("stream").none())
       .def("allocate",
@@ -376,6 +375,7 @@ void bind_cache(nb::module_& m) {
       .def_prop_ro("device_id", [](const PyCache& self) { return self.device_id; })
       .def_prop_ro("calls_on_other_buffers",
                    [](const PyCache& self) { return self.calls_on_other_buffers; });
+  bind_prefix(cache_class);
 }
 
 }  // namespace replayssm::python

@@ -65,6 +65,17 @@ void* op_stream(const PyCache& self, nb::handle stream, const ArrayReader& reade
 StateCache& op_target(PyCache& self, nb::handle buffers, ArrayReader& reader, const char* op,
                       void* stream, std::unique_ptr<StateCache>* holder);
 
+/// Slot ids (and per-row counts or positions) of a batched call: a [batch] array of `elem` in
+/// the cache's memory; `batch` < 0 takes it from the array.
+Array read_rows(ArrayReader& reader, const PyCache& self, nb::handle obj, const char* op,
+                const char* name, std::int64_t batch, Elem elem = Elem::kI32);
+
+/// A batch as the library's int; ValueError past INT32_MAX.
+int batch_of(std::int64_t n);
+
 void bind_cache(nb::module_& m);
+
+/// The prefix-caching methods of _C.StateCache (prefix.cpp).
+void bind_prefix(nb::class_<PyCache>& cls);
 
 }  // namespace replayssm::python

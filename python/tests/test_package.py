@@ -11,9 +11,11 @@ from conftest import config
 
 
 def test_public_names():
-    assert set(replayssm.__all__) == {"BufferSpec", "CacheConfig", "StateCache", "cache_buffers",
-                                      "cuda_available", "gdn_decode", "mamba2_decode"}
-    for name in ("allocate", "free", "load_state", "export_state", "commit", "fold"):
+    assert set(replayssm.__all__) == {"BufferSpec", "CacheConfig", "CacheRecords", "StateCache",
+                                      "cache_buffers", "cuda_available", "gdn_decode",
+                                      "mamba2_decode"}
+    for name in ("allocate", "free", "load_state", "export_state", "commit", "fold",
+                 "materialize", "read_records", "restore", "fork", "truncate"):
         assert callable(getattr(replayssm.StateCache, name))
     assert list(inspect.signature(replayssm.mamba2_decode).parameters) == [
         "cache", "layer", "slot_ids", "x", "dt", "B", "C", "A", "D", "dt_bias", "z", "out",

@@ -38,12 +38,13 @@ constexpr int kEagerRows = 8;
 
 // Eager decode of a window of T tokens (ALGORITHM.md §2 per token), as the Mamba-2 one: each
 // state row read once from the current copy and kept in fp32 across the window, the row after
-// token t stored (rounded) into copy after_tokens(current, t) (T = 1 with one copy: in place),
-// o_t from the fp32 row.
-template <typename input_t, typename state_t>
+// token t stored (rounded) into copy after_tokens(current, t), o_t from the fp32 row. kInPlace
+// (a one-copy cache, T = 1): rows written back where they were read, as the in-place decode
+// always did.
+template <typename input_t, typename state_t, bool kInPlace>
 void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
   const StateDims d = l.dims;
-  const int V = d.rows, K = d.cols, T = a.num_tokens;
+  const int V = d.rows, K = d.cols, T = kInPlace ? 1 : a.num_tokens;
   const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const int num_rows = static_cast<int>(rows.size());
   const float qscale = query_scale(a, K);
@@ -71,9 +72,16 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
         alpha[t] = std::exp(a.g[bh(t)]);
         beta[t] = a.beta[bh(t)];
       }
-      state_t* state = static_cast<state_t*>(l.state) + std::int64_t{h} * V * K;
+      // The head's block in copy 0; the current copy; where each token's state goes.
+      state_t* state = static_cast<state_t*>(l.state) + l.state_offset(a.layer, row.slot, 0) +
+                       std::int64_t{h} * V * K;
       const int current = l.current_copy(row.slot);
-      const state_t* S_in = state + l.state_offset(a.layer, row.slot, current);
+      state_t* S_in = state + std::int64_t{current} * l.state_elems();
+      state_t* S_out[kMaxSpecTokens];
+      for (int t = 0; t < T; ++t) {
+        S_out[t] = kInPlace ? S_in
+                            : state + std::int64_t{l.after_tokens(current, t + 1)} * l.state_elems();
+      }
       // kEagerRows rows at a time, in two passes per token: the decayed rows and their s·k̂
       // first, then the updates. Each row's update waits for its finished dot product; row by
       // row that wait (a horizontal reduction) was on the critical path of every row and held
@@ -94,11 +102,9 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
             sk[r] = dot(s_r, k_t, K);
           }
           const auto* v = static_cast<const input_t*>(a.v) + bh(t) * V;
-          state_t* S_out =
-              state + l.state_offset(a.layer, row.slot, l.after_tokens(current, t + 1));
           RowDots dots(V, partials + std::size_t(t) * RowDots::kLanes * V);
           for (int r = 0; r < n; ++r) {
-            state_t* s_row = S_out + std::int64_t{r0 + r} * K;
+            state_t* s_row = S_out[t] + std::int64_t{r0 + r} * K;
             float* s_r = s + std::size_t(r) * K;
             const float delta = beta[t] * (to_float(v[r0 + r]) - sk[r]);
             for (int c = 0; c < K; ++c) {
@@ -240,8 +246,9 @@ void replay_key_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRo
 void gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
   dispatch_decode(
       l,
-      [&](auto in_tag, auto state_tag) {
-        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type>(l, args);
+      [&](auto in_tag, auto state_tag, auto in_place) {
+        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type,
+                     decltype(in_place)::value>(l, args);
       },
       [&](auto in_tag) {
         using input_t = typename decltype(in_tag)::type;

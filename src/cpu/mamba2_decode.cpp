@@ -25,13 +25,14 @@ void store_output(const float* acc, const input_t* x, const input_t* z, float D,
 
 // Eager decode of a window of T tokens (ALGORITHM.md §1 per token). Each state row is read
 // once, from the slot's current copy, and kept in fp32 across the window; the row after token t
-// is stored, rounded to state_t, into copy after_tokens(current, t) (with one copy, T = 1: back
-// in place), and y_t is taken from the fp32 row before that rounding. So a window of fp32 state
-// gives exactly the outputs and states of its tokens decoded one at a time.
-template <typename input_t, typename state_t>
+// is stored, rounded to state_t, into copy after_tokens(current, t), and y_t is taken from the
+// fp32 row before that rounding. So a window of fp32 state gives exactly the outputs and states
+// of its tokens decoded one at a time. kInPlace (a one-copy cache, T = 1): the row is written
+// back where it was read, the loop of the in-place decode as it always was.
+template <typename input_t, typename state_t, bool kInPlace>
 void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
   const StateDims d = l.dims;
-  const int P = d.rows, N = d.cols, T = a.num_tokens;
+  const int P = d.rows, N = d.cols, T = kInPlace ? 1 : a.num_tokens;
   const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const auto* x_all = static_cast<const input_t*>(a.x);
   const auto* B_all = static_cast<const input_t*>(a.B);
@@ -62,19 +63,25 @@ void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
         dt[t] = softplus(a.dt[(std::int64_t{row.b} * T + t) * d.heads + h] + a.dt_bias[h]);
         decay[t] = std::exp(a.A[h] * dt[t]);
       }
-      state_t* state = static_cast<state_t*>(l.state) + std::int64_t{h} * P * N;
+      // The head's block in copy 0; the current copy; where each token's state goes, and its x.
+      state_t* state = static_cast<state_t*>(l.state) + l.state_offset(a.layer, row.slot, 0) +
+                       std::int64_t{h} * P * N;
       const int current = l.current_copy(row.slot);
-      const state_t* S_in = state + l.state_offset(a.layer, row.slot, current);
+      state_t* S_in = state + std::int64_t{current} * l.state_elems();
+      state_t* S_out[kMaxSpecTokens];
+      const input_t* x[kMaxSpecTokens];
+      for (int t = 0; t < T; ++t) {
+        S_out[t] = state + std::int64_t{l.after_tokens(current, t + 1)} * l.state_elems();
+        x[t] = x_all + head_off(t);
+      }
       float* partials = scratch(4, std::size_t(T) * RowDots::kLanes * P);
       for (int p = 0; p < P; ++p) {
-        const state_t* in_row = S_in + std::int64_t{p} * N;
+        state_t* in_row = S_in + std::int64_t{p} * N;
         for (int t = 0; t < T; ++t) {
-          const float xdt = to_float(x_all[head_off(t) + p]) * dt[t];
+          const float xdt = to_float(x[t][p]) * dt[t];
           const float* Bt = B + std::size_t(t) * N;
-          state_t* out_row = state +
-                             l.state_offset(a.layer, row.slot, l.after_tokens(current, t + 1)) +
-                             std::int64_t{p} * N;
-          // One loop that updates and stores, as the in-place T = 1 decode always did.
+          state_t* out_row = kInPlace ? in_row : S_out[t] + std::int64_t{p} * N;
+          // One loop that updates and stores, as the in-place decode always did.
           if (t == 0) {
             for (int n = 0; n < N; ++n) {
               s[n] = decay[0] * to_float(in_row[n]) + xdt * Bt[n];
@@ -221,8 +228,9 @@ void replay_group(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRo
 void mamba2_decode(StateCacheLayout& l, const Mamba2DecodeArgs& args) {
   dispatch_decode(
       l,
-      [&](auto in_tag, auto state_tag) {
-        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type>(l, args);
+      [&](auto in_tag, auto state_tag, auto in_place) {
+        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type,
+                     decltype(in_place)::value>(l, args);
       },
       [&](auto in_tag) {
         using input_t = typename decltype(in_tag)::type;
