@@ -26,13 +26,14 @@ the greedy ones, which changes nothing in the cost.
 
 ``ACCEPTANCE`` was measured with ``--measure`` on the CPU: the n-gram drafter (``max_ngram``
 3, lookback 1024) driving greedy speculative decoding (replay-fp32 cache, fp32) of two small
-trained byte-level models, Nemotron-H and Qwen3.5 layouts of 6.8 M and 6.4 M parameters
-(1.24 and 1.16 nats/byte on their held-out text), over their held-out files of the Python
-standard library's sources (heldout.txt: 33 files; the 28 that exist under Python 3.11's library
-with at least 512 bytes, the models having trained on Python 3.12's): per file a prompt of its
-first 512 bytes, then 256 new tokens, every row-step's accepted count recorded, for each T:
+trained byte-level models of the accuracy study (``study/models``: Nemotron-H and Qwen3.5
+layouts of 6.8 M and 6.4 M parameters, 1.24 and 1.22 nats/byte on their held-out text), over
+their held-out files of the Python standard library's sources (heldout.txt: 33 paths; the 28
+that exist under Python 3.11's library with at least 512 bytes, the models having trained on
+Python 3.12's other paths): per file a prompt of its first 512 bytes, then 256 new tokens, every
+row-step's accepted count recorded, for each T (about a minute per model and T on 2 cores):
 
-    python -m replayssm.bench_spec --measure DIR/nemotron_h DIR/qwen3_5 \
+    python -m replayssm.bench_spec --measure study/models/nemotron_h study/models/qwen3_5 \
         --files-root /usr/lib/python3.11 --measure-windows 2 3 4 5 6 7 8
 
 At T = 4, Nemotron-H accepts 1, 2, 3, 4 tokens in 34%, 5%, 3%, 59% of the steps (mean 2.86),
