@@ -276,8 +276,7 @@ def measure(model_dir: str, windows: list[int], files_root: str, prompt_bytes: i
         spec = SpeculativeDecoder(model, cache, NgramDrafter(), T)
         t0 = time.perf_counter()
         out = spec.generate(prompts, new_tokens)
-        counts = out.accepted_counts() + [0] * T
-        counts = counts[:T]
+        counts = out.accepted_counts()
         result["windows"][T] = dict(counts=counts,
                                     fractions=[c / sum(counts) for c in counts],
                                     mean_accepted=sum((i + 1) * c for i, c in enumerate(counts))

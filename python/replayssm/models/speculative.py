@@ -182,16 +182,18 @@ class DraftModelDrafter(Drafter):
 @dataclasses.dataclass
 class GenerateResult:
     """``tokens[i]``: the new tokens of prompt i; ``accepted``: int32 [steps, B] tokens each
-    row committed per step (0 once the row is done); ``steps``: verify steps run."""
+    row committed per step (0 once the row is done); ``steps``: verify steps run; ``window``:
+    T."""
 
     tokens: list[list[int]]
     accepted: torch.Tensor
     steps: int
+    window: int
 
     def accepted_counts(self) -> list[int]:
         """How many row-steps accepted 1, 2, ..., T tokens (finished rows left out)."""
-        a = self.accepted[self.accepted > 0]
-        return torch.bincount(a.long(), minlength=int(a.max()) + 1 if a.numel() else 1)[1:].tolist()
+        a = self.accepted[self.accepted > 0].long()
+        return torch.bincount(a, minlength=self.window + 1)[1:].tolist()
 
 
 class SpeculativeDecoder:
@@ -302,7 +304,8 @@ class SpeculativeDecoder:
             for s in slots:
                 self.free(s)
         return GenerateResult(tokens, torch.stack(accepted) if accepted else
-                              torch.zeros(0, len(slots), dtype=torch.int32), len(accepted))
+                              torch.zeros(0, len(slots), dtype=torch.int32), len(accepted),
+                              self.window)
 
 
 class SpecRunner(StepRunner):
