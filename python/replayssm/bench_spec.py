@@ -267,6 +267,9 @@ def measure(model_dir: str, windows: list[int], files_root: str, prompt_bytes: i
         if len(data) == prompt_bytes:
             prompts.append(torch.tensor(list(data), dtype=torch.long))
             used.append(name)
+    if not prompts:
+        raise ValueError(f"none of the {len(names)} held-out files of {model_dir} is under "
+                         f"{files_root} with {prompt_bytes} bytes or more (--files-root)")
     result: dict[str, Any] = dict(model=model_dir, model_type=model_type, files=used,
                                   files_root=files_root, prompt_bytes=prompt_bytes,
                                   new_tokens=new_tokens, windows={})

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -282,3 +283,24 @@ def test_bench_spec_smoke(tmp_path):
             if b["layout"] == r["layout"] and b["method"] == "per-draft-state")
         assert r["speedup_vs_per_draft_state"] == pytest.approx(ratio)
     assert "vs draft-state" in proc.stdout
+
+
+def test_bench_spec_measures_the_acceptance_of_a_trained_model(tmp_path):
+    """--measure on the study's trained Nemotron-H over stand-ins for two of its held-out files
+    (this machine's library may lack them): the counts cover every row-step, T entries."""
+    from replayssm import bench_spec
+
+    model_dir = Path(__file__).resolve().parents[2] / "study" / "models" / "nemotron_h"
+    if not (model_dir / "model.safetensors").is_file():
+        pytest.skip("no study/models/nemotron_h in this tree")
+    names = (model_dir / "heldout.txt").read_text().split()[:2]
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"def f(x):\n    return x + 1\n\n" * 4)
+    out = bench_spec.measure(str(model_dir), [3], str(tmp_path), prompt_bytes=64, new_tokens=12)
+    assert out["files"] == names
+    w = out["windows"][3]
+    assert len(w["counts"]) == 3 and sum(w["fractions"]) == pytest.approx(1)
+    assert w["steps"] <= sum(w["counts"]) <= 2 * w["steps"]
+    with pytest.raises(ValueError, match="held-out files"):
+        bench_spec.measure(str(model_dir), [3], str(tmp_path / "none"), 64, 12)
