@@ -181,7 +181,7 @@ def bench_one(model, layout: str, method: str, batch: int, probs: list[float],
         torch.cuda.reset_peak_memory_stats()
     cache = ServingCache(model, capacity=batch, max_seq_len=args.context + used + T + 2,
                          mode=mode, max_spec_tokens=T)
-    drafter = NgramDrafter(lookback=min(args.lookback, args.context)) if T > 1 else None
+    drafter = NgramDrafter(lookback=args.lookback) if T > 1 else None
     spec = SpeculativeDecoder(model, cache, drafter, T)
     forced = ForcedAcceptance(probs, args.steps, batch, device, seed=batch) if T > 1 else None
     runner = SpecRunner(spec, batch, cuda_graph=device == "cuda", forced=forced)
@@ -339,6 +339,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             or args.budget_gb <= 0:
         p.error("batches, context, steps, repeats, lookback, request tokens and the budget "
                 "must be positive")
+    try:
+        NgramDrafter(lookback=args.lookback)
+    except ValueError as e:
+        p.error(str(e))
     if args.measure is None:
         try:
             args.probs = {layout: acceptance_for(layout, args.window, args.acceptance)
