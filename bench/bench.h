@@ -97,11 +97,12 @@ struct SpecBenchResult {
   int accepted = 0;  ///< tokens committed per step (k)
   int buffer_len = 0;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
-  /// The eager spec step as measured, µs per step (median):
-  ///   fused (Mamba-2): one kernel reads the state once and writes one state per window
-  ///     position, T + 1 state transfers (vLLM's scheme; a bench-only kernel);
-  ///   sequential (GDN): T eager decodes of the library, each reading and writing the state,
-  ///     2T transfers; eager_fused_us estimates the fused scheme as eager_us · (T + 1) / 2T.
+  /// The eager spec step as measured, µs per step (median): one decode of the library's eager
+  /// cache with max_spec_tokens = T, which reads the state once and writes one state copy per
+  /// window position, T + 1 state transfers (vLLM's scheme), and the commit that selects the
+  /// accepted copy. (eager_fused false: a step of T sequential eager decodes, 2T transfers,
+  /// with eager_fused_us estimating the fused scheme as eager_us · (T + 1) / 2T; no bench
+  /// reports that any more.)
   bool eager_fused = true;
   double eager_us = 0.0;
   double eager_fused_us = 0.0;  ///< = eager_us when eager_fused

@@ -8,8 +8,10 @@
 /// Per step and row, with E state elements, s = the state dtype's size, k tokens committed per
 /// step (1 for plain decoding), T the verify window, c = ceil(L / k) steps per fold cycle:
 ///   eager (T = 1):        read E·s + write E·s
-///   eager spec (T > 1):   read E·s + write T·E·s (one state per window position: T + 1
-///                         state transfers)
+///   eager spec (T > 1):   read E·s + write T·E·s: an eager cache with max_spec_tokens >= T
+///                         reads its current state copy once and writes the state after each
+///                         window token into its own copy (T + 1 state transfers); the commit
+///                         that selects the accepted copy moves no state
 ///   replay, one copy:     read E·s every step (outputs; the fold fused into a step reads the
 ///                         same copy) + write E·s / c
 ///   replay, dual:         read E·lo every step + (read E·4 + write E·4 + write E·lo) / c, and

@@ -6,8 +6,9 @@
 // measured in the same run.
 //
 // Also the speculative comparison: a replay verify of T tokens (+ commit of k) against an eager
-// spec step that reads the state once and writes one state per window position (the scheme of
-// vLLM's spec decode), the latter a bench-only kernel built from the library's tile shape.
+// spec step of the library (an eager cache with max_spec_tokens = T: the window reads the state
+// once and writes one state copy per window position, the scheme of vLLM's spec decode; the
+// commit selects the accepted copy).
 
 #include <cuda_runtime.h>
 
@@ -21,17 +22,14 @@
 
 #include "bench.h"
 #include "bytes_model.h"
-#include "common/numeric.h"
 #include "cuda/common/check.cuh"
-#include "cuda/common/dispatch.cuh"
-#include "cuda/common/vec.cuh"
-#include "cuda/mamba2/mamba2_params.cuh"
 #include "cuda_bench.h"
 #include "cuda_bench_util.cuh"
 #include "cuda_bench_gdn.h"
 #include "engine/activations.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "state_cache_layout.h"
 
 namespace replayssm {
 
@@ -276,9 +274,11 @@ struct CaseSpec {
 Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
                  const BenchOptions& o, std::int64_t min_state_bytes, const Inputs& inputs,
                  BenchResult* r) {
-  const int groups =
-      slot_groups(read_bytes_per_row(shape, cs.mode, cs.checkpoint, o.eager_state_dtype), batch,
-                  min_state_bytes);
+  // An eager window's step touches every state copy of its rows (one read, T writes).
+  const int copies = cs.mode == DecodeMode::kEager ? eager_state_copies(cs.window) : 1;
+  const int groups = slot_groups(
+      copies * read_bytes_per_row(shape, cs.mode, cs.checkpoint, o.eager_state_dtype), batch,
+      min_state_bytes);
   StateCacheConfig config;
   config.kind = shape.kind;
   config.mamba2 = shape.mamba2;
@@ -340,147 +340,6 @@ Status min_state(const BenchOptions& o, std::int64_t* bytes) {
   std::int64_t l2 = 0;
   REPLAYSSM_RETURN_IF_ERROR(l2_bytes(&l2));
   *bytes = 4 * l2;
-  return Status::ok();
-}
-
-// ---- the eager speculative step (bench only) ---------------------------------------------
-
-namespace mamba2 = cuda::mamba2;
-
-// An eager spec step as vLLM runs it: read the state once, then for each window position t
-// update it in registers and write it to its own copy t (T + 1 state transfers), with y_t.
-struct EagerSpecParams {
-  int batch, T, H, P, G;
-  void* state;              // [batch][T][H][P][N]; copy 0 is the state read
-  const void* x;            // [batch, T, H, P]
-  const float* dt;          // [batch, T, H]
-  const void* B;            // [batch, T, G, N]
-  const void* C;            // [batch, T, G, N]
-  const float* A;
-  const float* D;
-  const float* dt_bias;
-  void* y;                  // [batch, T, H, P]
-};
-
-template <typename input_t, typename state_t>
-__global__ void __launch_bounds__(mamba2::kMaxThreads)
-    eager_spec_kernel(const __grid_constant__ EagerSpecParams p) {
-  using Split = cuda::RowSplit<mamba2::kDstate, mamba2::kLanesPerRow>;
-  constexpr int kN = Split::kPerLane;
-  constexpr int kRows = mamba2::kRowsPerThread;
-  __shared__ float dots[mamba2::kMaxWindow][mamba2::kMaxHeadDim];
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int lane = threadIdx.x % mamba2::kLanesPerRow;
-  const int row0 = threadIdx.x / mamba2::kLanesPerRow;
-  const int rows_per_pass = blockDim.x / mamba2::kLanesPerRow;
-  const int g = h / (p.H / p.G);
-  const std::int64_t head_elems = std::int64_t{p.P} * mamba2::kDstate;
-  auto copy = [&](int t) {
-    return static_cast<state_t*>(p.state) + ((std::int64_t{b} * p.T + t) * p.H + h) * head_elems;
-  };
-  typename Split::template Fragment<state_t> st[kRows];
-  float s[kRows][kN];
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int row = row0 + i * rows_per_pass;
-    if (row < p.P) st[i].template load<cuda::CacheOp::kStreaming>(copy(0) + row * mamba2::kDstate, lane);
-  }
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) st[i].unpack(s[i]);
-  for (int t = 0; t < p.T; ++t) {
-    const std::int64_t bt = std::int64_t{b} * p.T + t;
-    typename Split::template Fragment<input_t, state_t> b_in, c_in;
-    b_in.load(static_cast<const input_t*>(p.B) + (bt * p.G + g) * mamba2::kDstate, lane);
-    c_in.load(static_cast<const input_t*>(p.C) + (bt * p.G + g) * mamba2::kDstate, lane);
-    float Bv[kN], Cv[kN];
-    b_in.unpack(Bv);
-    c_in.unpack(Cv);
-    const float delta = softplus(p.dt[bt * p.H + h] + p.dt_bias[h]);
-    const float decay = expf(p.A[h] * delta);
-    const auto* x = static_cast<const input_t*>(p.x) + (bt * p.H + h) * p.P;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int row = row0 + i * rows_per_pass;
-      const float xdt = row < p.P ? to_float(x[row]) * delta : 0.0f;
-      float dot = 0.0f;
-#pragma unroll
-      for (int e = 0; e < kN; ++e) {
-        s[i][e] = decay * s[i][e] + xdt * Bv[e];
-        dot += s[i][e] * Cv[e];
-      }
-      st[i].pack(s[i]);
-      if (row < p.P) {
-        st[i].template store<cuda::CacheOp::kStreaming>(copy(t) + row * mamba2::kDstate, lane);
-      }
-      dot = cuda::group_sum<mamba2::kLanesPerRow>(dot);
-      if (row < p.P && lane == 0) dots[t][row] = dot;
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < p.T * p.P; i += blockDim.x) {
-    const int t = i / p.P, r = i - t * p.P;
-    const std::int64_t off = ((std::int64_t{b} * p.T + t) * p.H + h) * p.P + r;
-    const float out = dots[t][r] + p.D[h] * to_float(static_cast<const input_t*>(p.x)[off]);
-    static_cast<input_t*>(p.y)[off] = from_float<input_t>(out);
-  }
-}
-
-Status launch_eager_spec(const EagerSpecParams& p, DType input, DType state, cudaStream_t stream) {
-  return cuda::ActivationDTypes::dispatch(input, "input dtype", [&](auto in) {
-    return cuda::StateDTypes::dispatch(state, "state dtype", [&](auto st) {
-      const dim3 grid(unsigned(p.H), unsigned(p.batch));
-      eager_spec_kernel<cuda::dtype_t<in.value>, cuda::dtype_t<st.value>>
-          <<<grid, mamba2::block_threads(p.P), 0, stream>>>(p);
-      return cuda_status(cudaGetLastError(), "eager spec kernel");
-    });
-  });
-}
-
-Status time_eager_spec(const BenchShape& shape, int batch, int T, const BenchOptions& o,
-                       std::int64_t min_state_bytes, const Inputs& in, double* us_out) {
-  const Mamba2Shape& m = shape.mamba2;
-  if (m.dstate != mamba2::kDstate || m.head_dim > mamba2::kMaxHeadDim || T > mamba2::kMaxWindow) {
-    return unsupported("eager spec bench: shape or window outside the kernel's tile");
-  }
-  const double row_bytes =
-      double(state_dims(m).state_elems()) * double(dtype_size(o.eager_state_dtype)) * T;
-  const int groups = slot_groups(row_bytes, batch, min_state_bytes);
-  std::vector<DeviceBuffer> states(static_cast<std::size_t>(groups));
-  for (DeviceBuffer& s : states) {
-    REPLAYSSM_RETURN_IF_ERROR(s.allocate(Device::kCuda, std::size_t(row_bytes) * batch));
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemset(s.get(), 0, std::size_t(row_bytes) * batch));
-  }
-  OwnedStream stream;
-  REPLAYSSM_RETURN_IF_ERROR(stream.create());
-  cudaGraph_t graph = nullptr;
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeThreadLocal));
-  const int steps = o.buffer_len;
-  const Status st = [&]() -> Status {
-    for (int s = 0; s < steps; ++s) {
-      for (int g = 0; g < groups; ++g) {
-        const std::size_t set = std::size_t(s % kInputSets);
-        const EagerSpecParams p{batch, T, m.nheads, m.head_dim, m.ngroups,
-                                states[std::size_t(g)].get(), in.x[set].get(),
-                                in.dt[set].get<const float>(), in.B[set].get(),
-                                in.C[set].get(), in.A.get<const float>(),
-                                in.D.get<const float>(), in.dt_bias.get<const float>(),
-                                in.out.get()};
-        REPLAYSSM_RETURN_IF_ERROR(launch_eager_spec(p, o.input_dtype, o.eager_state_dtype, stream.s));
-      }
-    }
-    return Status::ok();
-  }();
-  const cudaError_t end = cudaStreamEndCapture(stream.s, &graph);
-  REPLAYSSM_RETURN_IF_ERROR(st);
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(end);
-  GraphExec exec;
-  const cudaError_t inst = cudaGraphInstantiate(&exec.exec, graph, 0);
-  (void)cudaGraphDestroy(graph);
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(inst);
-  std::vector<double> us;
-  REPLAYSSM_RETURN_IF_ERROR(time_graph(exec, stream.s, 2, std::max(o.repetitions, kMinRepetitions), &us));
-  for (double& u : us) u /= double(steps) * groups;
-  *us_out = median(us);
   return Status::ok();
 }
 
@@ -576,7 +435,7 @@ Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted
       bm.buffer_len = options.buffer_len;
       bm.input_dtype = options.input_dtype;
       bm.accepted = k;
-      auto add = [&](CheckpointPrecision c, double eager_us, bool fused, double replay_us) {
+      auto add = [&](CheckpointPrecision c, double eager_us, double replay_us) {
         SpecBenchResult s;
         s.shape = shape.name;
         s.batch = batch;
@@ -584,13 +443,13 @@ Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted
         s.accepted = k;
         s.buffer_len = options.buffer_len;
         s.checkpoint = c;
-        s.eager_fused = fused;
+        s.eager_fused = true;  // the library's eager window: T + 1 state transfers
         s.eager_us = eager_us;
-        s.eager_fused_us = fused ? eager_us : eager_us * double(window + 1) / double(2 * window);
+        s.eager_fused_us = eager_us;
         BytesModelCase e = bm;
         e.mode = DecodeMode::kEager;
-        e.spec_tokens = fused ? window : 1;  // fused: T + 1 transfers; else T decodes of 2
-        s.eager_bytes = bytes_model_step(e).total() * (fused ? 1.0 : double(window));
+        e.spec_tokens = window;
+        s.eager_bytes = bytes_model_step(e).total();
         BytesModelCase r = bm;
         r.mode = DecodeMode::kReplay;
         r.checkpoint = c;
@@ -602,24 +461,26 @@ Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted
         out.spec.push_back(s);
       };
       if (shape.kind == LayerKind::kGdn) {
-        // The GDN side's spec bench (cuda_bench_gdn.cu): its eager spec step is T sequential
-        // eager decodes of the library's kernel (no fused eager-spec kernel for GDN).
+        // The GDN side's spec bench (cuda_bench_gdn.cu), on the same library path: an eager
+        // cache with max_spec_tokens = T.
         std::vector<GdnSpecResult> gdn;
         REPLAYSSM_RETURN_IF_ERROR(run_cuda_bench_gdn_spec(shape, batch, window, k, o, &gdn));
-        for (const GdnSpecResult& g : gdn) add(g.checkpoint, g.eager_us, false, g.replay_us);
+        for (const GdnSpecResult& g : gdn) add(g.checkpoint, g.eager_us, g.replay_us);
         continue;
       }
       Inputs inputs;
       REPLAYSSM_RETURN_IF_ERROR(make_inputs(shape, batch, window, options.input_dtype, &inputs));
-      double eager_us = 0.0;
-      REPLAYSSM_RETURN_IF_ERROR(
-          time_eager_spec(shape, batch, window, o, min_state_bytes, inputs, &eager_us));
+      BenchResult eager;
+      REPLAYSSM_RETURN_IF_ERROR(time_case(
+          shape, batch, CaseSpec{DecodeMode::kEager, CheckpointPrecision::kFp32, window, k}, o,
+          min_state_bytes, inputs, &eager));
+      const double eager_us = eager.us_per_step;
       for (CheckpointPrecision c : options.checkpoints) {
         BenchResult r;
         REPLAYSSM_RETURN_IF_ERROR(time_case(shape, batch,
                                             CaseSpec{DecodeMode::kReplay, c, window, k}, o,
                                             min_state_bytes, inputs, &r));
-        add(c, eager_us, true, r.us_per_step);
+        add(c, eager_us, r.us_per_step);
       }
     }
   }

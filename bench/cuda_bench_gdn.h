@@ -25,9 +25,9 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
 /// Speculative decoding with T-token windows, µs per verify step of one layer:
 ///   replay: one decode verifying T tokens (every output from the unchanged checkpoint), then a
 ///           commit of `accepted` of them (folds fall due as history accumulates);
-///   eager spec: T sequential eager updates, each reading the state and writing a copy
-///           (the baseline: T + T state transfers; a fused eager-spec kernel would move
-///           T + 1, also reported as eager_fused_us = eager_us · (T + 1) / (2T)).
+///   eager spec: one decode of an eager cache with max_spec_tokens = T (the baseline: the
+///           state read once and one state copy written per window token, T + 1 state
+///           transfers; eager_fused_us = eager_us), then the commit that selects a copy.
 struct GdnSpecResult {
   std::string shape;
   int batch = 0;

@@ -38,8 +38,16 @@ std::optional<CacheBufferSpec> spec_of(CacheBufferId id, const StateCacheConfig&
   };
   const std::vector<std::int64_t> state = {d.heads, d.rows, d.cols};
   switch (id) {
-    case CacheBufferId::kState:
-      return replay ? std::nullopt : layered(c.state_dtype, state);
+    case CacheBufferId::kState: {
+      if (replay) return std::nullopt;
+      const int copies = eager_state_copies(c.max_spec_tokens);
+      // One copy keeps the plain [layers, capacity, heads, rows, cols] layout.
+      if (copies == 1) return layered(c.state_dtype, state);
+      return layered(c.state_dtype, {copies, d.heads, d.rows, d.cols});
+    }
+    case CacheBufferId::kStateCurrent:
+      return !replay && eager_state_copies(c.max_spec_tokens) > 1 ? make(DType::kU32, false, {})
+                                                                  : std::nullopt;
     case CacheBufferId::kCkptHi:
       return replay && t.has_hi ? layered(DType::kF32, state) : std::nullopt;
     case CacheBufferId::kCkptLo:
@@ -76,6 +84,7 @@ std::optional<CacheBufferSpec> spec_of(CacheBufferId id, const StateCacheConfig&
 const char* cache_buffer_name(CacheBufferId id) {
   switch (id) {
     case CacheBufferId::kState: return "state";
+    case CacheBufferId::kStateCurrent: return "state_current";
     case CacheBufferId::kCkptHi: return "ckpt_hi";
     case CacheBufferId::kCkptLo: return "ckpt_lo";
     case CacheBufferId::kCkptLoScale: return "ckpt_lo_scale";
@@ -111,6 +120,7 @@ std::int64_t slot_region_bytes(const CacheBufferSpec& spec) {
 bool zeroed_on_slot_reset(CacheBufferId id) {
   switch (id) {
     case CacheBufferId::kState:
+    case CacheBufferId::kStateCurrent:
     case CacheBufferId::kCkptHi:
     case CacheBufferId::kCkptLo:
     case CacheBufferId::kCkptLoScale:
@@ -132,6 +142,7 @@ bool zeroed_on_slot_reset(CacheBufferId id) {
 void* layout_buffer(const StateCacheLayout& l, CacheBufferId id) {
   switch (id) {
     case CacheBufferId::kState: return l.state;
+    case CacheBufferId::kStateCurrent: return l.state_current;
     case CacheBufferId::kCkptHi: return l.ckpt_hi;
     case CacheBufferId::kCkptLo: return l.ckpt_lo;
     case CacheBufferId::kCkptLoScale: return l.ckpt_lo_scale;
@@ -151,6 +162,7 @@ void* layout_buffer(const StateCacheLayout& l, CacheBufferId id) {
 void bind_layout_buffer(StateCacheLayout& l, CacheBufferId id, void* p) {
   switch (id) {
     case CacheBufferId::kState: l.state = p; return;
+    case CacheBufferId::kStateCurrent: l.state_current = static_cast<std::uint32_t*>(p); return;
     case CacheBufferId::kCkptHi: l.ckpt_hi = static_cast<float*>(p); return;
     case CacheBufferId::kCkptLo: l.ckpt_lo = p; return;
     case CacheBufferId::kCkptLoScale: l.ckpt_lo_scale = static_cast<float*>(p); return;

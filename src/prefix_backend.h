@@ -64,6 +64,7 @@ inline SlotPart slot_part(CacheBufferId id) {
     case CacheBufferId::kRingDecay:
       return SlotPart::kRing;
     case CacheBufferId::kState:
+    case CacheBufferId::kStateCurrent:
     case CacheBufferId::kCommitted:
     case CacheBufferId::kFolded:
     case CacheBufferId::kPending:
@@ -82,6 +83,7 @@ inline void* records_field(const CacheRecords& r, CacheBufferId id) {
     case CacheBufferId::kRingWrite: return r.write;
     case CacheBufferId::kRingDecay: return r.decay;
     case CacheBufferId::kState:
+    case CacheBufferId::kStateCurrent:
     case CacheBufferId::kCkptHi:
     case CacheBufferId::kCkptLo:
     case CacheBufferId::kCkptLoScale:

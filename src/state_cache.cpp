@@ -65,6 +65,10 @@ Status validate_config(const StateCacheConfig& c) {
     return invalid_argument(std::string("unsupported input dtype ") + dtype_name(c.input_dtype) +
                             "; supported: f32, bf16, f16");
   }
+  if (c.max_spec_tokens < 1 || c.max_spec_tokens > kMaxSpecTokens) {
+    return invalid_argument("max_spec_tokens (T) must be in [1, " + str(kMaxSpecTokens) +
+                            "], got " + str(c.max_spec_tokens));
+  }
   switch (c.mode) {
     case DecodeMode::kEager:
       if (!is_activation_dtype(c.state_dtype)) {
@@ -76,10 +80,6 @@ Status validate_config(const StateCacheConfig& c) {
       if (c.buffer_len < 1 || c.buffer_len > kMaxBufferLen) {
         return invalid_argument("buffer_len (L) must be in [1, " + str(kMaxBufferLen) +
                                 "], got " + str(c.buffer_len));
-      }
-      if (c.max_spec_tokens < 1 || c.max_spec_tokens > kMaxSpecTokens) {
-        return invalid_argument("max_spec_tokens (T) must be in [1, " + str(kMaxSpecTokens) +
-                                "], got " + str(c.max_spec_tokens));
       }
       return Status::ok();
   }

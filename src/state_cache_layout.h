@@ -48,6 +48,11 @@ REPLAYSSM_HD constexpr bool fold_due(std::uint32_t unfolded_count, int num_token
   return num_tokens == 0 ? unfolded_count > 0 : unfolded_count >= std::uint32_t(L);
 }
 
+/// Eager state copies per (layer, slot). T = 1: one, updated in place. T > 1 (per-draft-state
+/// speculation): the current state plus one per window token, so that a window writes the state
+/// after each of its tokens without touching the current one, and a commit selects one.
+REPLAYSSM_HD constexpr int eager_state_copies(int T) { return T > 1 ? T + 1 : 1; }
+
 // ---- the buffers -----------------------------------------------------------------------------
 
 struct StateCacheLayout {
@@ -57,8 +62,11 @@ struct StateCacheLayout {
   int ring_capacity = 0;  // power of two; 0 for eager caches
   std::int64_t total_bytes = 0;
 
-  // Eager: the state, [layer][slot][heads, rows, cols] in config.state_dtype.
+  // Eager: the state, [layer][slot][copy][heads, rows, cols] in config.state_dtype, with
+  // eager_state_copies(T) copies; state_current[slot] (T > 1 only, else null) is the copy that
+  // holds the committed state, shared by the slot's layers as `committed` is.
   void* state = nullptr;
+  std::uint32_t* state_current = nullptr;
 
   // Replay checkpoint copies, [layer][slot][heads, rows, cols]. ckpt_hi is fp32 (null in
   // kBf16 mode); ckpt_lo is bf16 or fp8 (null in kFp32 mode); ckpt_lo_scale is fp32
@@ -94,6 +102,29 @@ struct StateCacheLayout {
   /// Index of ring entry `pos` of (layer, slot) in units of one record.
   REPLAYSSM_HD std::int64_t ring_record(int layer, int slot, std::uint32_t pos) const {
     return layer_slot(layer, slot) * ring_capacity + (pos & std::uint32_t(ring_capacity - 1));
+  }
+  /// Eager: state copies per (layer, slot).
+  REPLAYSSM_HD int state_copies() const { return eager_state_copies(config.max_spec_tokens); }
+  /// Eager: element offset of state copy `copy` of (layer, slot).
+  REPLAYSSM_HD std::int64_t state_offset(int layer, int slot, int copy) const {
+    return (layer_slot(layer, slot) * state_copies() + copy) * state_elems();
+  }
+  /// Eager: the copy holding `slot`'s committed state (0 when there is one copy). Taken modulo
+  /// the copies, so that a corrupt value still names a copy of the slot.
+  REPLAYSSM_HD int current_copy(int slot) const {
+    return state_current == nullptr
+               ? 0
+               : int(state_current[slot] % std::uint32_t(state_copies()));
+  }
+  /// Eager with T > 1: the copy that receives the state after token t (1 <= t <= T) of a window
+  /// read from copy `current`; commit(k) makes after_tokens(current, k) current.
+  REPLAYSSM_HD int after_tokens(int current, int t) const {
+    return (current + t) % state_copies();
+  }
+  /// Whether decodes leave a window uncommitted until state_cache_commit: replay caches, and
+  /// eager caches with T > 1 (eager T = 1 updates its state in place).
+  REPLAYSSM_HD bool holds_windows() const {
+    return config.mode == DecodeMode::kReplay || state_copies() > 1;
   }
   REPLAYSSM_HD bool has_hi() const { return ckpt_hi != nullptr; }
   REPLAYSSM_HD bool has_lo() const { return ckpt_lo != nullptr; }

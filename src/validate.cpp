@@ -26,12 +26,13 @@ Status require_kind(const StateCache& cache, LayerKind kind, const char* op) {
                           " state cache");
 }
 
-// On a CPU replay cache: no active row's layer holds a window that was decoded and not yet
-// committed (a second decode would silently replace it; see ops.h).
+// On a CPU cache that holds windows (replay, eager with T > 1): no active row's layer holds a
+// window that was decoded and not yet committed (a second decode would silently replace it;
+// see ops.h).
 Status validate_no_pending_rows(const StateCache& cache, const char* op, int layer, int batch,
                                 const std::int32_t* slot_ids) {
   const StateCacheLayout& l = cache.layout();
-  if (!on_cpu(cache) || l.config.mode != DecodeMode::kReplay) return Status::ok();
+  if (!on_cpu(cache) || !l.holds_windows()) return Status::ok();
   for (int b = 0; b < batch; ++b) {
     const std::int32_t s = slot_ids[b];
     if (s < 0) continue;
@@ -53,21 +54,10 @@ Status validate_decode_common(const StateCache& cache, const char* op, int layer
   if (num_tokens < 1) {
     return invalid_argument(std::string(op) + ": num_tokens must be >= 1, got " + str(num_tokens));
   }
-  switch (c.mode) {
-    case DecodeMode::kEager:
-      if (num_tokens != 1) {
-        return unsupported(std::string(op) +
-                           ": an eager cache decodes one token at a time (num_tokens = 1); "
-                           "speculative windows need a replay cache");
-      }
-      break;
-    case DecodeMode::kReplay:
-      if (num_tokens > c.max_spec_tokens) {
-        return invalid_argument(std::string(op) + ": window of " + str(num_tokens) +
-                                " tokens is wider than the cache's max_spec_tokens (" +
-                                str(c.max_spec_tokens) + ")");
-      }
-      break;
+  if (num_tokens > c.max_spec_tokens) {
+    return invalid_argument(std::string(op) + ": window of " + str(num_tokens) +
+                            " tokens is wider than the cache's max_spec_tokens (" +
+                            str(c.max_spec_tokens) + ")");
   }
   REPLAYSSM_RETURN_IF_ERROR(validate_batch_slots(cache, batch, slot_ids));
   return validate_no_pending_rows(cache, op, layer, batch, slot_ids);
@@ -145,8 +135,8 @@ Status validate_batch_slots(const StateCache& cache, int batch, const std::int32
 
 Status validate_no_pending(const StateCache& cache, int layer, int slot, const char* what,
                            Stream stream) {
-  if (cache.config().mode == DecodeMode::kEager) return Status::ok();
   const StateCacheLayout& l = cache.layout();
+  if (!l.holds_windows()) return Status::ok();
   std::uint8_t pending = 0;
   REPLAYSSM_RETURN_IF_ERROR(memory_to_host(cache.config().device, &pending,
                                            l.pending + l.layer_slot(layer, slot), 1, stream));

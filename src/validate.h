@@ -21,14 +21,15 @@ Status validate_slot(const StateCache& cache, int slot);
 /// the kernels skip rows whose slot is out of range or not allocated (graph capture forbids a
 /// host copy here).
 Status validate_batch_slots(const StateCache& cache, int batch, const std::int32_t* slot_ids);
-/// kOk unless (layer, slot) of a replay cache holds an uncommitted window (reads one cursor).
+/// kOk unless (layer, slot) of a cache that holds windows (replay, eager with T > 1) holds an
+/// uncommitted window (reads one cursor).
 Status validate_no_pending(const StateCache& cache, int layer, int slot, const char* what,
                            Stream stream);
 /// Every element of a host fp32 state of `layout`'s shape is finite.
 Status validate_finite_state(const StateCacheLayout& layout, const float* host_state);
 Status validate_commit(const StateCache& cache, const CommitArgs& args);
 /// What varies per decode call: layer, batch, window, pointers; on a CPU cache (host memory) also
-/// the slot ids, that no row's layer holds an uncommitted replay window, and the values that
+/// the slot ids, that no row's layer holds an uncommitted window, and the values that
 /// are cheap to check (Mamba-2: A < 0, D and dt_bias finite; GDN: g <= 0, beta in [0, 1]).
 Status validate_mamba2_decode(const StateCache& cache, const Mamba2DecodeArgs& args);
 Status validate_gdn_decode(const StateCache& cache, const GdnDecodeArgs& args);

@@ -50,6 +50,7 @@ StateCacheConfig small_config(LayerKind kind, DecodeMode mode, CheckpointPrecisi
 std::string config_name(const StateCacheConfig& c) {
   std::string s = std::string(layer_kind_name(c.kind)) + "_" + decode_mode_name(c.mode);
   if (c.mode == DecodeMode::kReplay) s += std::string("_") + checkpoint_precision_name(c.checkpoint);
+  s += "_T" + std::to_string(c.max_spec_tokens);
   for (char& ch : s) {
     if (ch == '+') ch = '_';
   }
@@ -59,7 +60,10 @@ std::string config_name(const StateCacheConfig& c) {
 std::vector<StateCacheConfig> every_small_config(Device device) {
   std::vector<StateCacheConfig> out;
   for (LayerKind k : {LayerKind::kMamba2, LayerKind::kGdn}) {
+    // Eager with T = 3 (a state copy per draft and the current-copy index) and with T = 1.
     out.push_back(small_config(k, DecodeMode::kEager, CheckpointPrecision::kFp32, device));
+    out.push_back(small_config(k, DecodeMode::kEager, CheckpointPrecision::kFp32, device));
+    out.back().max_spec_tokens = 1;
     for (CheckpointPrecision p : {CheckpointPrecision::kFp32, CheckpointPrecision::kBf16,
                                   CheckpointPrecision::kFp32Bf16, CheckpointPrecision::kFp32Fp8}) {
       out.push_back(small_config(k, DecodeMode::kReplay, p, device));
@@ -171,7 +175,14 @@ TEST(BufferList, ShapesBytesAndSlotAxesAsDocumented) {
     for (const CacheBufferSpec& s : specs_of(c)) by_name[s.name] = s;
     const std::vector<std::int64_t> state = {L, S, d.heads, d.rows, d.cols};
     if (c.mode == DecodeMode::kEager) {
-      EXPECT_EQ(by_name.at("state").shape, state);
+      const std::int64_t T = c.max_spec_tokens;
+      const std::vector<std::int64_t> copies = {L, S, T + 1, d.heads, d.rows, d.cols};
+      EXPECT_EQ(by_name.at("state").shape, T == 1 ? state : copies);
+      EXPECT_EQ(by_name.count("state_current"), T == 1 ? 0u : 1u);
+      if (T > 1) {
+        EXPECT_EQ(by_name.at("state_current").shape, (std::vector<std::int64_t>{S}));
+        EXPECT_EQ(by_name.at("state_current").dtype, DType::kU32);
+      }
       EXPECT_EQ(by_name.count("ring_vec"), 0u);
     } else {
       const std::int64_t ring = cache->ring_capacity();
@@ -320,9 +331,8 @@ void expect_view_matches_owner(Device device) {
     slots.insert(slots.begin() + 1, -1);  // a pad row
     TwinRun run(*owner, *view, 5);
     Rng acc(3);
-    const bool replay = c.mode == DecodeMode::kReplay;
     for (int step = 0; step < 3 * c.buffer_len; ++step) {
-      const int T = replay && step % 3 == 0 ? c.max_spec_tokens : 1;
+      const int T = step % 3 == 0 ? c.max_spec_tokens : 1;
       std::vector<std::int32_t> accepted(slots.size(), 1);
       for (auto& k : accepted) k = T == 1 ? 1 : acc.uniform_int(1, T);
       ASSERT_NO_FATAL_FAILURE(run.step(slots, T, accepted));

@@ -317,8 +317,8 @@ void add_bench(CLI::App& app, BenchArgs& a) {
                    ->add_option("--spec-tokens,-T", a.spec_tokens,
                                 "Verify window: 1 = the protocol's plain decoding; T > 1 = replay "
                                 "verifying T tokens against eager speculative decoding, which "
-                                "writes a state per draft (Mamba-2: one fused kernel; GDN: T "
-                                "eager decodes). cuda only")
+                                "writes a state per draft (an eager cache with "
+                                "max_spec_tokens = T, both families). cuda only")
                    ->capture_default_str(),
                &a.spec_tokens, 1, kMaxSpecTokens);
   a.ranges.add(bench

@@ -7,7 +7,11 @@
 ///
 /// A decode appends `num_tokens` (T) tokens per row after the row's committed position and
 /// computes all T outputs:
-///   - eager caches (T = 1 only) update the state in place;
+///   - eager caches with max_spec_tokens = 1 (T = 1 only) update the state in place;
+///   - eager caches with max_spec_tokens > 1 (per-draft-state speculation) read the current
+///     state copy once and write the state after each token t of the window into its own copy
+///     (the state stays fp32 across the window; each copy is rounded to the state dtype as it
+///     is stored); state_cache_commit(k) makes the copy after token k current;
 ///   - replay caches compute every output from the unchanged checkpoint and the ring
 ///     (ALGORITHM.md §4); the only state write is a fold of committed history that was due
 ///     (committed - folded >= buffer_len), fused into the start of the step.
@@ -19,10 +23,11 @@
 /// not allocated are skipped on the device (nothing of theirs is written or read beyond the id
 /// itself); repeated ids are not detected there.
 ///
-/// A replay layer that already holds an uncommitted window (decoded, not yet committed) must be
-/// committed before it decodes again: a CPU cache refuses such a row with an error; on a CUDA
-/// cache the new window replaces the old one (the committed state is untouched; outputs are
-/// those of a window starting at the committed position).
+/// A replay layer, or an eager layer with max_spec_tokens > 1, that already holds an uncommitted
+/// window (decoded, not yet committed) must be committed before it decodes again: a CPU cache
+/// refuses such a row with an error; on a CUDA cache the new window replaces the old one (the
+/// committed state is untouched; outputs are those of a window starting at the committed
+/// position).
 ///
 /// What a decode checks on the host is only what varies per call (layer, batch, window width,
 /// pointers; on CPU caches the slot ids): everything about the configuration was checked when

@@ -16,6 +16,7 @@
 ///   committed[slot]         absolute position of the next token to commit (shared by layers)
 ///   folded[layer][slot]     position through which that layer's checkpoint is folded
 ///   pending[layer][slot]    tokens the layer's last decode appended and not yet committed
+///   state_current[slot]     eager caches with max_spec_tokens > 1: which state copy is current
 /// A layer's ring holds positions folded..committed+pending-1 at index pos & (ring_capacity-1).
 /// Each layer folds its own committed history at the start of a decode when
 /// committed - folded >= buffer_len, so folds need no cross-layer step and no host decision;
@@ -55,7 +56,10 @@ struct StateCacheConfig {
   DType state_dtype = DType::kF32;
   /// Replay only: tokens per fold cycle (L >= 1).
   int buffer_len = 16;
-  /// Replay only: the widest speculative window a decode may verify (T >= 1; 1 = plain decode).
+  /// The widest speculative window a decode may verify (T >= 1; 1 = plain decode). An eager
+  /// cache with T > 1 keeps T + 1 copies of each layer's state per slot (per-draft-state
+  /// speculation): a window reads the current copy once and writes the state after each of
+  /// its tokens into its own copy; commit(k) makes the copy after token k current.
   int max_spec_tokens = 1;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
 
@@ -71,7 +75,9 @@ Status state_cache_can_implement(const StateCacheConfig& config);
 
 /// The buffers a cache may have. Which ones a configuration uses: state_cache_buffers().
 enum class CacheBufferId : std::uint8_t {
-  kState,         ///< eager: [layers, capacity, heads, rows, cols]  state_dtype
+  kState,         ///< eager: [layers, capacity, heads, rows, cols]  state_dtype; with
+                  ///< max_spec_tokens T > 1: [layers, capacity, T + 1, heads, rows, cols]
+  kStateCurrent,  ///< eager with T > 1: [capacity]  u32 (the state copy that is current)
   kCkptHi,        ///< replay fp32 master: [layers, capacity, heads, rows, cols]  f32
   kCkptLo,        ///< replay low copy: [layers, capacity, heads, rows, cols]  bf16 or f8e4m3
   kCkptLoScale,   ///< fp8 copy's per-row scales: [layers, capacity, heads, rows]  f32
@@ -85,7 +91,7 @@ enum class CacheBufferId : std::uint8_t {
   kPending,       ///< [layers, capacity]  u8
   kAllocated,     ///< [capacity]  u8 (1 = the slot is in use)
 };
-inline constexpr int kNumCacheBuffers = 13;
+inline constexpr int kNumCacheBuffers = 14;
 
 /// "ckpt_hi", "ring_vec", ... (the names used in messages and by the Python package).
 const char* cache_buffer_name(CacheBufferId id);
@@ -177,14 +183,16 @@ Status state_cache_claim_slot(StateCache& cache, int slot, Stream stream = kDefa
 Status state_cache_free_slot(StateCache& cache, int slot, Stream stream = kDefaultStream);
 
 /// Prefill hand-off: writes a full fp32 state ([heads, rows, cols]; host memory, or for a CUDA
-/// cache also device memory) into one layer of a slot: the eager state, or S_hi and the rounded
-/// S_lo; that layer's ring is emptied. Only allowed while the layer has no uncommitted window.
+/// cache also device memory) into one layer of a slot: the eager state (its current copy), or
+/// S_hi and the rounded S_lo; that layer's ring is emptied. Only allowed while the layer has no
+/// uncommitted window (replay caches, and eager caches with max_spec_tokens > 1).
 /// The state must be finite. Synchronises the stream.
 Status state_cache_load_state(StateCache& cache, int layer, int slot, const float* state,
                               Stream stream = kDefaultStream);
 
 /// Materialises one layer's current state as fp32 [heads, rows, cols] into `state` (host
-/// memory, or for a CUDA cache also device memory): a replay cache first folds the layer's
+/// memory, or for a CUDA cache also device memory): an eager cache its current state copy
+/// (an uncommitted window's copies are not exported); a replay cache first folds the layer's
 /// committed history into its checkpoint (for preemption and debugging), so this writes the
 /// checkpoint. Synchronises the stream.
 Status state_cache_export_state(StateCache& cache, int layer, int slot, float* state,
@@ -197,7 +205,10 @@ struct CommitArgs {
 };
 
 /// Accepts k of the tokens the last decode appended, for every layer at once: committed += k.
-/// Rejected drafts stay in the ring to be overwritten: rollback is a cursor move. Every layer
+/// Rejected drafts stay in the ring to be overwritten: rollback is a cursor move. An eager cache
+/// with max_spec_tokens > 1 makes the state copy written after token k current (k = 0: the
+/// current copy stays; no state is copied). An eager cache with max_spec_tokens = 1 updated its
+/// state in place: commit only moves `committed` there. Every layer
 /// must have decoded the window (pending[layer][slot] is the same for all layers).
 /// CPU caches reject k outside [0, pending] and a window some layer did not decode with an
 /// error; CUDA caches, whose counts are device memory (no host round trip, graph-capturable),

@@ -84,7 +84,12 @@ class CacheConfig:
     ``buffer_len`` committed tokens, and verifies windows of up to ``max_spec_tokens`` tokens;
     ``checkpoint`` picks its copies: ``"fp32"``, ``"bf16"``, ``"fp32+bf16"`` (outputs read a
     bf16 copy, folds an fp32 master) or ``"fp32+fp8"``. ``mode="eager"`` keeps the state itself
-    in ``state_dtype`` and decodes one token at a time. ``input_dtype`` is the dtype of the
+    in ``state_dtype``: with ``max_spec_tokens=1`` it decodes one token at a time, updating the
+    state in place; with ``max_spec_tokens=T > 1`` it keeps T + 1 copies of each layer's state
+    (per-draft-state speculation): a window of up to T tokens reads the current copy once and
+    writes the state after each token into its own copy, and :meth:`StateCache.commit` makes
+    the copy after the accepted tokens current (a second window must wait for the commit on
+    the CPU; on CUDA it replaces the first). ``input_dtype`` is the dtype of the
     activations (inputs, ring and outputs). ``device`` is ``"cpu"`` or ``"cuda"`` (the current
     CUDA device). The library checks the configuration here, and what the device's backend
     supports when a cache is created.

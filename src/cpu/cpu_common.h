@@ -431,8 +431,10 @@ void replay_rows(StateCacheLayout& l, int layer, int num_tokens, const std::int3
   }
 }
 
-/// Runs `eager(TypeTag<input_t>, TypeTag<state_t>)` or `replay(TypeTag<input_t>)` for the
-/// cache's mode and dtypes: the one place a decode op turns runtime dtypes into templates.
+/// Runs `eager(TypeTag<input_t>, TypeTag<state_t>, std::bool_constant<in_place>)` or
+/// `replay(TypeTag<input_t>)` for the cache's mode and dtypes: the one place a decode op turns
+/// runtime dtypes into templates. in_place: an eager cache with one state copy (T = 1, updated
+/// in place), else one with a copy per draft.
 template <typename Eager, typename Replay>
 void dispatch_decode(const StateCacheLayout& l, Eager&& eager, Replay&& replay) {
   dispatch_activation(l.config.input_dtype, [&](auto in_tag) {
@@ -440,7 +442,13 @@ void dispatch_decode(const StateCacheLayout& l, Eager&& eager, Replay&& replay) 
       replay(in_tag);
       return;
     }
-    dispatch_activation(l.config.state_dtype, [&](auto state_tag) { eager(in_tag, state_tag); });
+    dispatch_activation(l.config.state_dtype, [&](auto state_tag) {
+      if (l.state_copies() == 1) {
+        eager(in_tag, state_tag, std::true_type{});
+      } else {
+        eager(in_tag, state_tag, std::false_type{});
+      }
+    });
   });
 }
 

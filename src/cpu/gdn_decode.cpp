@@ -1,7 +1,7 @@
-// Gated DeltaNet decode on the CPU: eager (ALGORITHM.md §2) and replay with the adjoint output
-// form (§4): the query is walked back through the window, newest token first, then meets the
-// checkpoint in one mat-vec; the state is never built. Parallel over batch × heads (replay:
-// key heads, each serving its value heads).
+// Gated DeltaNet decode on the CPU: eager, one token or a window of drafts (ALGORITHM.md §2),
+// and replay with the adjoint output form (§4): the query is walked back through the window,
+// newest token first, then meets the checkpoint in one mat-vec; the state is never built.
+// Parallel over batch × heads (replay: key heads, each serving its value heads).
 
 #include <algorithm>
 #include <cmath>
@@ -36,10 +36,15 @@ float query_scale(const GdnDecodeArgs& a, int head_k_dim) {
 /// Rows per block of the eager update (see eager_decode).
 constexpr int kEagerRows = 8;
 
-template <typename input_t, typename state_t>
+// Eager decode of a window of T tokens (ALGORITHM.md §2 per token), as the Mamba-2 one: each
+// state row read once from the current copy and kept in fp32 across the window, the row after
+// token t stored (rounded) into copy after_tokens(current, t), o_t from the fp32 row. kInPlace
+// (a one-copy cache, T = 1): rows written back where they were read, as the in-place decode
+// always did.
+template <typename input_t, typename state_t, bool kInPlace>
 void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
   const StateDims d = l.dims;
-  const int V = d.rows, K = d.cols;
+  const int V = d.rows, K = d.cols, T = kInPlace ? 1 : a.num_tokens;
   const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const int num_rows = static_cast<int>(rows.size());
   const float qscale = query_scale(a, K);
@@ -49,50 +54,78 @@ void eager_decode(StateCacheLayout& l, const GdnDecodeArgs& a) {
     for (int h = 0; h < d.heads; ++h) {
       const ActiveRow row = rows[static_cast<std::size_t>(i)];
       const int kh = h / d.heads_per_key();
-      const std::int64_t key_off = (std::int64_t{row.b} * d.key_heads + kh) * K;
-      float* q = scratch(0, K);
-      float* k = scratch(1, K);
+      float* q = scratch(0, std::size_t(T) * K);
+      float* k = scratch(1, std::size_t(T) * K);
       float* s = scratch(2, std::size_t(kEagerRows) * K);
-      float* out = scratch(3, V);
-      RowDots dots(V, scratch(4, std::size_t(RowDots::kLanes) * V));
-      normalise(static_cast<const input_t*>(a.q) + key_off, K, a.qk_l2norm, qscale, q);
-      normalise(static_cast<const input_t*>(a.k) + key_off, K, a.qk_l2norm, 1.0f, k);
-      const std::int64_t bh = std::int64_t{row.b} * d.heads + h;
-      const float alpha = std::exp(a.g[bh]);
-      const float beta = a.beta[bh];
-      const auto* v = static_cast<const input_t*>(a.v) + bh * V;
-      state_t* S = static_cast<state_t*>(l.state) +
-                   l.layer_slot(a.layer, row.slot) * l.state_elems() + std::int64_t{h} * V * K;
-      // kEagerRows rows at a time, in two passes: the decayed rows and their s·k̂ first, then
-      // the updates. Each row's update waits for its finished dot product; row by row that
-      // wait (a horizontal reduction) was on the critical path of every row and held the
-      // step to about half the machine's update bandwidth on the 2-core EPYC.
+      float* out = scratch(3, std::size_t(T) * V);
+      float* partials = scratch(4, std::size_t(T) * RowDots::kLanes * V);
+      float* alpha = scratch(5, 2 * std::size_t(T));
+      float* beta = alpha + T;
+      // Token t's (row, head) index into [batch, T, heads] inputs.
+      auto bh = [&](int t) { return (std::int64_t{row.b} * T + t) * d.heads + h; };
+      for (int t = 0; t < T; ++t) {
+        const std::int64_t key_off = ((std::int64_t{row.b} * T + t) * d.key_heads + kh) * K;
+        normalise(static_cast<const input_t*>(a.q) + key_off, K, a.qk_l2norm, qscale,
+                  q + std::size_t(t) * K);
+        normalise(static_cast<const input_t*>(a.k) + key_off, K, a.qk_l2norm, 1.0f,
+                  k + std::size_t(t) * K);
+        alpha[t] = std::exp(a.g[bh(t)]);
+        beta[t] = a.beta[bh(t)];
+      }
+      // The head's block in copy 0; the current copy; where each token's state goes.
+      state_t* state = static_cast<state_t*>(l.state) + l.state_offset(a.layer, row.slot, 0) +
+                       std::int64_t{h} * V * K;
+      const int current = l.current_copy(row.slot);
+      state_t* S_in = state + std::int64_t{current} * l.state_elems();
+      state_t* S_out[kMaxSpecTokens];
+      for (int t = 0; t < T; ++t) {
+        S_out[t] = kInPlace ? S_in
+                            : state + std::int64_t{l.after_tokens(current, t + 1)} * l.state_elems();
+      }
+      // kEagerRows rows at a time, in two passes per token: the decayed rows and their s·k̂
+      // first, then the updates. Each row's update waits for its finished dot product; row by
+      // row that wait (a horizontal reduction) was on the critical path of every row and held
+      // the step to about half the machine's update bandwidth on the 2-core EPYC.
       for (int r0 = 0; r0 < V; r0 += kEagerRows) {
         const int n = std::min(kEagerRows, V - r0);
-        float sk[kEagerRows];
-        for (int r = 0; r < n; ++r) {
-          const state_t* s_row = S + std::int64_t{r0 + r} * K;
-          float* s_r = s + std::size_t(r) * K;
-          for (int c = 0; c < K; ++c) s_r[c] = alpha * to_float(s_row[c]);
-          sk[r] = dot(s_r, k, K);
-        }
-        for (int r = 0; r < n; ++r) {
-          state_t* s_row = S + std::int64_t{r0 + r} * K;
-          float* s_r = s + std::size_t(r) * K;
-          const float delta = beta * (to_float(v[r0 + r]) - sk[r]);
-          for (int c = 0; c < K; ++c) {
-            s_r[c] += delta * k[c];
-            s_row[c] = from_float<state_t>(s_r[c]);
+        for (int t = 0; t < T; ++t) {
+          const float* k_t = k + std::size_t(t) * K;
+          float sk[kEagerRows];
+          for (int r = 0; r < n; ++r) {
+            float* s_r = s + std::size_t(r) * K;
+            if (t == 0) {
+              const state_t* s_row = S_in + std::int64_t{r0 + r} * K;
+              for (int c = 0; c < K; ++c) s_r[c] = alpha[0] * to_float(s_row[c]);
+            } else {
+              for (int c = 0; c < K; ++c) s_r[c] *= alpha[t];
+            }
+            sk[r] = dot(s_r, k_t, K);
           }
-          dots.set(r0 + r, s_r, q, K);
+          const auto* v = static_cast<const input_t*>(a.v) + bh(t) * V;
+          RowDots dots(V, partials + std::size_t(t) * RowDots::kLanes * V);
+          for (int r = 0; r < n; ++r) {
+            state_t* s_row = S_out[t] + std::int64_t{r0 + r} * K;
+            float* s_r = s + std::size_t(r) * K;
+            const float delta = beta[t] * (to_float(v[r0 + r]) - sk[r]);
+            for (int c = 0; c < K; ++c) {
+              s_r[c] += delta * k_t[c];
+              s_row[c] = from_float<state_t>(s_r[c]);
+            }
+            dots.set(r0 + r, s_r, q + std::size_t(t) * K, K);
+          }
         }
       }
-      dots.reduce(out);
-      auto* o = static_cast<input_t*>(a.o) + bh * V;
-      for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(out[r]);
+      for (int t = 0; t < T; ++t) {
+        float* out_t = out + std::size_t(t) * V;
+        RowDots(V, partials + std::size_t(t) * RowDots::kLanes * V).reduce(out_t);
+        auto* o = static_cast<input_t*>(a.o) + bh(t) * V;
+        for (int r = 0; r < V; ++r) o[r] = from_float<input_t>(out_t[r]);
+      }
     }
   }
-  for (const ActiveRow& row : rows) l.pending[l.layer_slot(a.layer, row.slot)] = 1;
+  for (const ActiveRow& row : rows) {
+    l.pending[l.layer_slot(a.layer, row.slot)] = static_cast<std::uint8_t>(T);
+  }
 }
 
 // Appends the window's records: raw k and its normalisation factor per key head, v, β, g.
@@ -213,8 +246,9 @@ void replay_key_head(StateCacheLayout& l, const GdnDecodeArgs& a, const ActiveRo
 void gdn_decode(StateCacheLayout& l, const GdnDecodeArgs& args) {
   dispatch_decode(
       l,
-      [&](auto in_tag, auto state_tag) {
-        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type>(l, args);
+      [&](auto in_tag, auto state_tag, auto in_place) {
+        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type,
+                     decltype(in_place)::value>(l, args);
       },
       [&](auto in_tag) {
         using input_t = typename decltype(in_tag)::type;

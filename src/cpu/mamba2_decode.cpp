@@ -1,6 +1,6 @@
-// Mamba-2 decode on the CPU: eager (ALGORITHM.md §1) and replay (§4 inner-product form, §5
-// fold, §7 windows). Parallel over batch × heads; the inner loops run along dstate and
-// vectorise.
+// Mamba-2 decode on the CPU: eager, one token or a window of drafts (ALGORITHM.md §1), and
+// replay (§4 inner-product form, §5 fold, §7 windows). Parallel over batch × heads; the inner
+// loops run along dstate and vectorise.
 
 #include <cmath>
 #include <vector>
@@ -23,10 +23,16 @@ void store_output(const float* acc, const input_t* x, const input_t* z, float D,
   }
 }
 
-template <typename input_t, typename state_t>
+// Eager decode of a window of T tokens (ALGORITHM.md §1 per token). Each state row is read
+// once, from the slot's current copy, and kept in fp32 across the window; the row after token t
+// is stored, rounded to state_t, into copy after_tokens(current, t), and y_t is taken from the
+// fp32 row before that rounding. So a window of fp32 state gives exactly the outputs and states
+// of its tokens decoded one at a time. kInPlace (a one-copy cache, T = 1): the row is written
+// back where it was read, the loop of the in-place decode as it always was.
+template <typename input_t, typename state_t, bool kInPlace>
 void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
   const StateDims d = l.dims;
-  const int P = d.rows, N = d.cols;
+  const int P = d.rows, N = d.cols, T = kInPlace ? 1 : a.num_tokens;
   const std::vector<ActiveRow> rows = active_rows(a.slot_ids, a.batch);
   const auto* x_all = static_cast<const input_t*>(a.x);
   const auto* B_all = static_cast<const input_t*>(a.B);
@@ -40,36 +46,68 @@ void eager_decode(StateCacheLayout& l, const Mamba2DecodeArgs& a) {
     for (int h = 0; h < d.heads; ++h) {
       const ActiveRow row = rows[static_cast<std::size_t>(i)];
       const int g = h / d.heads_per_key();
-      const input_t* x = x_all + (std::int64_t{row.b} * d.heads + h) * P;
-      const input_t* z = z_all ? z_all + (std::int64_t{row.b} * d.heads + h) * P : nullptr;
-      float* B = scratch(0, N);
-      float* C = scratch(1, N);
-      float* acc = scratch(2, P);
+      // Token t of this row and head: its x / z / y block, B / C vector and Δ.
+      auto head_off = [&](int t) { return ((std::int64_t{row.b} * T + t) * d.heads + h) * P; };
+      float* B = scratch(0, std::size_t(T) * N);
+      float* C = scratch(1, std::size_t(T) * N);
+      float* acc = scratch(2, std::size_t(T) * P);
       float* s = scratch(3, N);
-      for (int n = 0; n < N; ++n) {
-        B[n] = to_float(B_all[(std::int64_t{row.b} * d.key_heads + g) * N + n]);
-        C[n] = to_float(C_all[(std::int64_t{row.b} * d.key_heads + g) * N + n]);
-      }
-      const float dt = softplus(a.dt[std::int64_t{row.b} * d.heads + h] + a.dt_bias[h]);
-      const float decay = std::exp(a.A[h] * dt);
-      state_t* S = static_cast<state_t*>(l.state) +
-                   l.layer_slot(a.layer, row.slot) * l.state_elems() + std::int64_t{h} * P * N;
-      RowDots dots(P, scratch(4, std::size_t(RowDots::kLanes) * P));
-      for (int p = 0; p < P; ++p) {
-        const float xdt = to_float(x[p]) * dt;
-        state_t* s_row = S + std::int64_t{p} * N;
+      float* dt = scratch(5, 2 * std::size_t(T));
+      float* decay = dt + T;
+      for (int t = 0; t < T; ++t) {
+        const std::int64_t key = ((std::int64_t{row.b} * T + t) * d.key_heads + g) * N;
         for (int n = 0; n < N; ++n) {
-          s[n] = decay * to_float(s_row[n]) + xdt * B[n];
-          s_row[n] = from_float<state_t>(s[n]);
+          B[std::size_t(t) * N + n] = to_float(B_all[key + n]);
+          C[std::size_t(t) * N + n] = to_float(C_all[key + n]);
         }
-        dots.set(p, s, C, N);
+        dt[t] = softplus(a.dt[(std::int64_t{row.b} * T + t) * d.heads + h] + a.dt_bias[h]);
+        decay[t] = std::exp(a.A[h] * dt[t]);
       }
-      dots.reduce(acc);
-      store_output(acc, x, z, a.D[h], P,
-                   y_all + (std::int64_t{row.b} * d.heads + h) * P);
+      // The head's block in copy 0; the current copy; where each token's state goes, and its x.
+      state_t* state = static_cast<state_t*>(l.state) + l.state_offset(a.layer, row.slot, 0) +
+                       std::int64_t{h} * P * N;
+      const int current = l.current_copy(row.slot);
+      state_t* S_in = state + std::int64_t{current} * l.state_elems();
+      state_t* S_out[kMaxSpecTokens];
+      const input_t* x[kMaxSpecTokens];
+      for (int t = 0; t < T; ++t) {
+        S_out[t] = state + std::int64_t{l.after_tokens(current, t + 1)} * l.state_elems();
+        x[t] = x_all + head_off(t);
+      }
+      float* partials = scratch(4, std::size_t(T) * RowDots::kLanes * P);
+      for (int p = 0; p < P; ++p) {
+        state_t* in_row = S_in + std::int64_t{p} * N;
+        for (int t = 0; t < T; ++t) {
+          const float xdt = to_float(x[t][p]) * dt[t];
+          const float* Bt = B + std::size_t(t) * N;
+          state_t* out_row = kInPlace ? in_row : S_out[t] + std::int64_t{p} * N;
+          // One loop that updates and stores, as the in-place decode always did.
+          if (t == 0) {
+            for (int n = 0; n < N; ++n) {
+              s[n] = decay[0] * to_float(in_row[n]) + xdt * Bt[n];
+              out_row[n] = from_float<state_t>(s[n]);
+            }
+          } else {
+            for (int n = 0; n < N; ++n) {
+              s[n] = decay[t] * s[n] + xdt * Bt[n];
+              out_row[n] = from_float<state_t>(s[n]);
+            }
+          }
+          RowDots(P, partials + std::size_t(t) * RowDots::kLanes * P)
+              .set(p, s, C + std::size_t(t) * N, N);
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        float* acc_t = acc + std::size_t(t) * P;
+        RowDots(P, partials + std::size_t(t) * RowDots::kLanes * P).reduce(acc_t);
+        store_output(acc_t, x_all + head_off(t), z_all ? z_all + head_off(t) : nullptr, a.D[h],
+                     P, y_all + head_off(t));
+      }
     }
   }
-  for (const ActiveRow& row : rows) l.pending[l.layer_slot(a.layer, row.slot)] = 1;
+  for (const ActiveRow& row : rows) {
+    l.pending[l.layer_slot(a.layer, row.slot)] = static_cast<std::uint8_t>(T);
+  }
 }
 
 // Appends the window's records: x, B as given; Δ = softplus(dt + dt_bias) and A·Δ in fp32.
@@ -190,8 +228,9 @@ void replay_group(StateCacheLayout& l, const Mamba2DecodeArgs& a, const ActiveRo
 void mamba2_decode(StateCacheLayout& l, const Mamba2DecodeArgs& args) {
   dispatch_decode(
       l,
-      [&](auto in_tag, auto state_tag) {
-        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type>(l, args);
+      [&](auto in_tag, auto state_tag, auto in_place) {
+        eager_decode<typename decltype(in_tag)::type, typename decltype(state_tag)::type,
+                     decltype(in_place)::value>(l, args);
       },
       [&](auto in_tag) {
         using input_t = typename decltype(in_tag)::type;

@@ -1,5 +1,5 @@
 // Moving whole states in and out of a CPU cache (prefill hand-off, preemption, debugging),
-// and the cursor move of a commit.
+// and the cursor move of a commit (with an eager window's copy selection).
 
 #include "backend.h"
 #include "cpu_common.h"
@@ -8,9 +8,10 @@ namespace replayssm::cpu {
 
 namespace {
 
+// The copy of (layer, slot)'s eager state that holds its committed state.
 template <typename state_t>
 state_t* eager_state(const StateCacheLayout& l, int layer, int slot) {
-  return static_cast<state_t*>(l.state) + l.layer_slot(layer, slot) * l.state_elems();
+  return static_cast<state_t*>(l.state) + l.state_offset(layer, slot, l.current_copy(slot));
 }
 
 }  // namespace
@@ -61,6 +62,9 @@ void commit(StateCacheLayout& l, const CommitArgs& args) {
     if (slot < 0) continue;
     l.committed[slot] += static_cast<std::uint32_t>(args.accepted[b]);
     for (int layer = 0; layer < l.config.num_layers; ++layer) l.pending[l.layer_slot(layer, slot)] = 0;
+    if (l.state_current != nullptr) {
+      l.state_current[slot] = std::uint32_t(l.after_tokens(l.current_copy(slot), args.accepted[b]));
+    }
   }
 }
 

@@ -240,9 +240,10 @@ class OracleRun {
     naive_got->insert(naive_got->end(), nref.begin(), nref.end());
   }
 
-  // Replay caches commit each row's accepted count (eager ones have nothing to commit).
+  // Caches that hold windows (replay, eager with T > 1) commit each row's accepted count; an
+  // eager T = 1 cache updated its state in place and has nothing to commit.
   bool commit_step(const StepRows& rows) {
-    if (replay_) {
+    if (replay_ || cfg_.max_spec_tokens > 1) {
       if (Status st = commit(*cache_, rows.slots, rows.accepted); !st.is_ok()) {
         fail(rows.at + ": commit: " + st.to_string());
         return false;

@@ -14,6 +14,7 @@
 
 #include "replayssm/state_cache.h"
 #include "replayssm/types.h"
+#include "testing/cuda_vs_cpu.h"
 #include "testing/names.h"
 
 namespace replayssm::testing {
@@ -56,13 +57,16 @@ inline std::string shape_tag(const GdnShape& s) {
          int_tag("V", s.head_v_dim);
 }
 
-/// The test name: shape, input dtype, raw q/k (GDN), then the eager state dtype, or the replay
-/// checkpoint precision, L, T and stagger ("small_inBF16_ReplayFp32Bf16_L4_T1_stagger1"). Batch,
-/// layers and steps follow from the shape and mode (PrintTo shows them).
+/// The test name: shape, input dtype, raw q/k (GDN), then the eager state dtype (and T when
+/// > 1), or the replay checkpoint precision, L, T and stagger
+/// ("small_inBF16_ReplayFp32Bf16_L4_T1_stagger1"). Batch, layers and steps follow from the shape
+/// and mode (PrintTo shows them).
 template <typename Shape>
 std::string side_case_name(const SideCase<Shape>& c) {
   std::string n = std::string(c.name) + "_in" + dtype_tag(c.input) + (c.qk_l2norm ? "" : "_rawqk");
-  if (c.mode == DecodeMode::kEager) return n + "_Eager" + dtype_tag(c.state);
+  if (c.mode == DecodeMode::kEager) {
+    return n + "_Eager" + dtype_tag(c.state) + (c.window > 1 ? int_tag("_T", c.window) : "");
+  }
   return n + "_Replay" + precision_tag(c.checkpoint) + int_tag("_L", c.buffer_len) +
          int_tag("_T", c.window) + int_tag("_stagger", c.stagger);
 }

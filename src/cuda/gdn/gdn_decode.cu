@@ -54,6 +54,12 @@ Status can_implement(const StateCacheConfig& c) {
       if (!EagerStateDTypes::contains(c.state_dtype)) {
         return EagerStateDTypes::error(c.state_dtype, "gdn eager state dtype");
       }
+      if (c.max_spec_tokens > kMaxEagerWindow) {
+        return unsupported("gdn CUDA eager caches verify windows of up to " +
+                           std::to_string(kMaxEagerWindow) +
+                           " tokens; the cache's max_spec_tokens is " +
+                           std::to_string(c.max_spec_tokens));
+      }
       return Status::ok();
     case DecodeMode::kReplay: break;
   }

@@ -302,53 +302,78 @@ __global__ void __launch_bounds__(kGenericThreads)
   }
 }
 
-// Eager: S_r ← α·S_r; d = β·(v[r] − S_r·k̂); S_r += d·k̂; o[r] = S_r·q̂, one warp per row.
+// Eager, a window of T <= kMaxEagerWindow tokens (T = 1 on a one-copy cache: in place), one
+// warp per row: per token S_r ← α·S_r; d = β·(v[r] − S_r·k̂); S_r += d·k̂; o[r] = S_r·q̂, the row
+// read once from the current copy, carried in fp32 and stored (rounded) after token t into
+// copy after_tokens(current, t), as on the CPU. The window's q̂ and k̂ are normalised once per
+// block, a warp per vector, into shared memory ([T][2][K] floats, eager_smem_bytes).
 template <typename input_t, typename state_t>
 __global__ void __launch_bounds__(kGenericThreads)
     generic_eager_kernel(const __grid_constant__ GenericParams p) {
+  extern __shared__ float hats[];  // [T][q̂, k̂][K]
   const StateCacheLayout& l = p.cache;
   const StateDims& d = l.dims;
-  const int K = d.cols, V = d.rows;
+  const int K = d.cols, V = d.rows, T = p.num_tokens;
   const int h = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slot = resolve_slot(l, p.in.slot_ids, b);
   if (slot < 0) return;
   const int kh = h / (d.heads / d.key_heads);
-  const std::int64_t bh = std::int64_t{b} * d.heads + h;
-  const auto* q = static_cast<const input_t*>(p.in.q) + (std::int64_t{b} * d.key_heads + kh) * K;
-  const auto* k = static_cast<const input_t*>(p.in.k) + (std::int64_t{b} * d.key_heads + kh) * K;
-  const float qf = p.in.qk_l2norm ? p.in.q_scale * Records<input_t>::l2norm_factor(q, K, lane)
-                                  : p.in.q_scale;
-  const float kf = p.in.qk_l2norm ? Records<input_t>::l2norm_factor(k, K, lane) : 1.0f;
-  LaneRow qh, kh_row;
-#pragma unroll
-  for (int i = 0; i < kGenericPerLane; ++i) {
-    const int c = lane + 32 * i;
-    qh.v[i] = c < K ? to_float(q[c]) * qf : 0.0f;
-    kh_row.v[i] = c < K ? to_float(k[c]) * kf : 0.0f;
+  for (int job = warp; job < 2 * T; job += kGenericWarps) {
+    const int t = job / 2;
+    const bool query = job % 2 == 0;
+    const auto* u = static_cast<const input_t*>(query ? p.in.q : p.in.k) +
+                    ((std::int64_t{b} * T + t) * d.key_heads + kh) * K;
+    const float f = p.in.qk_l2norm ? Records<input_t>::l2norm_factor(u, K, lane) : 1.0f;
+    const float scale = query ? (p.in.qk_l2norm ? p.in.q_scale * f : p.in.q_scale) : f;
+    for (int c = lane; c < K; c += 32) hats[std::size_t(job) * K + c] = to_float(u[c]) * scale;
   }
-  const float alpha = expf(p.in.g[bh]), beta = p.in.beta[bh];
-  const auto* v = static_cast<const input_t*>(p.in.v) + bh * V;
+  __syncthreads();
+  // Token t's q̂ or k̂ as this lane's columns.
+  auto hat = [&](int t, bool query) {
+    LaneRow r;
+    const float* src = hats + std::size_t(2 * t + (query ? 0 : 1)) * K;
+#pragma unroll
+    for (int i = 0; i < kGenericPerLane; ++i) {
+      const int c = lane + 32 * i;
+      r.v[i] = c < K ? src[c] : 0.0f;
+    }
+    return r;
+  };
+  const int current = l.current_copy(slot);
+  auto* state = static_cast<state_t*>(l.state);
   for (int row = warp; row < V; row += kGenericWarps) {
-    state_t* S = static_cast<state_t*>(l.state) +
-                 ((l.layer_slot(p.layer, slot) * d.heads + h) * V + row) * K;
+    const std::int64_t row_elem = (std::int64_t{h} * V + row) * K;
+    const state_t* S = state + l.state_offset(p.layer, slot, current) + row_elem;
     LaneRow s;
 #pragma unroll
     for (int i = 0; i < kGenericPerLane; ++i) {
       const int c = lane + 32 * i;
-      s.v[i] = c < K ? alpha * to_float(S[c]) : 0.0f;
+      s.v[i] = c < K ? to_float(S[c]) : 0.0f;
     }
-    const float delta = beta * (to_float(v[row]) - lane_dot(s, kh_row));
+    for (int t = 0; t < T; ++t) {
+      const std::int64_t bh = (std::int64_t{b} * T + t) * d.heads + h;
+      const float alpha = expf(p.in.g[bh]), beta = p.in.beta[bh];
+      const LaneRow kh_row = hat(t, false);
 #pragma unroll
-    for (int i = 0; i < kGenericPerLane; ++i) {
-      const int c = lane + 32 * i;
-      s.v[i] += delta * kh_row.v[i];
-      if (c < K) S[c] = from_float<state_t>(s.v[i]);
+      for (int i = 0; i < kGenericPerLane; ++i) s.v[i] *= alpha;
+      const float v = to_float(static_cast<const input_t*>(p.in.v)[bh * V + row]);
+      const float delta = beta * (v - lane_dot(s, kh_row));
+      state_t* out =
+          state + l.state_offset(p.layer, slot, l.after_tokens(current, t + 1)) + row_elem;
+#pragma unroll
+      for (int i = 0; i < kGenericPerLane; ++i) {
+        const int c = lane + 32 * i;
+        s.v[i] += delta * kh_row.v[i];
+        if (c < K) out[c] = from_float<state_t>(s.v[i]);
+      }
+      const float o = lane_dot(s, hat(t, true));
+      if (lane == 0) static_cast<input_t*>(p.in.o)[bh * V + row] = from_float<input_t>(o);
     }
-    const float o = lane_dot(s, qh);
-    if (lane == 0) static_cast<input_t*>(p.in.o)[bh * V + row] = from_float<input_t>(o);
   }
-  if (h == 0 && threadIdx.x == 0) l.pending[l.layer_slot(p.layer, slot)] = 1;
+  if (h == 0 && threadIdx.x == 0) {
+    l.pending[l.layer_slot(p.layer, slot)] = static_cast<std::uint8_t>(T);
+  }
 }
 
 }  // namespace
@@ -380,9 +405,10 @@ Status launch_generic(StateCacheLayout& l, const ReplayWork& work, cudaStream_t 
   return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     using input_t = dtype_t<in.value>;
     if (c.mode == DecodeMode::kEager) {
+      const int hats = 2 * p.num_tokens * l.dims.cols * int(sizeof(float));  // <= 32 KB
       return EagerStateDTypes::dispatch(c.state_dtype, "eager state dtype", [&](auto st) {
         generic_eager_kernel<input_t, dtype_t<st.value>>
-            <<<grid, kGenericThreads, 0, stream>>>(p);
+            <<<grid, kGenericThreads, hats, stream>>>(p);
         REPLAYSSM_CUDA_CHECK_LAUNCH("gdn generic eager kernel");
         return Status::ok();
       });

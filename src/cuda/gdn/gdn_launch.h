@@ -51,7 +51,9 @@ int generic_smem_bytes(const StateCacheConfig& config, int num_tokens);
 /// moves its own fold cursors (cursors.cuh).
 Status launch_generic(StateCacheLayout& cache, const ReplayWork& work, cudaStream_t stream);
 
-/// Eager decode of one layer (T = 1): the state is updated in place.
+/// Eager decode of one layer: on a one-copy cache (max_spec_tokens = 1) the state is updated in
+/// place; on a cache with a state copy per draft the window reads the current copy once and
+/// writes the state after each token into its own copy.
 Status launch_eager(StateCacheLayout& cache, const GdnDecodeArgs& args, cudaStream_t stream);
 
 /// Replay decode of one layer or a fold of layers (ReplayWork), in one launch that also moves

@@ -77,6 +77,9 @@ using HeadKDims = Supported<16, 32, 48, 64, 80, 96, 112, 128>;
 /// Window widths a decode may verify (1 = plain decode). T > 8 would need more walking warps
 /// than a CTA has to keep every window position's walk in flight at once.
 using WindowWidths = Supported<1, 2, 3, 4, 5, 6, 7, 8>;
+/// The widest window an eager cache verifies (max_spec_tokens), tuned and generic kernels alike:
+/// both stage a window's normalised q and k in shared memory, one row each per token.
+constexpr int kMaxEagerWindow = WindowWidths::max();
 
 // ---------------------------------------------------------------------------------------------
 // Params
@@ -104,6 +107,7 @@ struct EagerParams {
   StateCacheLayout cache;
   GdnInputs in;
   int layer = 0;
+  int num_tokens = 1;     ///< T (> 1 only on a cache with a state copy per draft)
   int heads_per_key = 1;  ///< G
   RowTiling tiling;
 };

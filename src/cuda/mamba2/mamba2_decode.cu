@@ -29,6 +29,13 @@ Status can_implement(const StateCacheConfig& c) {
       if (!EagerStateDTypes::contains(c.state_dtype)) {
         return EagerStateDTypes::error(c.state_dtype, "mamba2 eager state dtype");
       }
+      // Both eager kernels keep a window's outputs (tuned: dot products in shared memory;
+      // generic: accumulators per thread) for up to kMaxWindow tokens.
+      if (c.max_spec_tokens > kMaxWindow) {
+        return unsupported("mamba2 CUDA eager caches verify windows of up to " +
+                           std::to_string(kMaxWindow) + " tokens; the cache's max_spec_tokens is " +
+                           std::to_string(c.max_spec_tokens));
+      }
       return Status::ok();
     case DecodeMode::kReplay: break;
   }

@@ -183,6 +183,9 @@ __global__ void generic_replay_kernel(const __grid_constant__ Params p) {
   }
 }
 
+// Eager, a window of T <= kMaxWindow tokens (T = 1 on a one-copy cache: in place): each state
+// element is read once from the current copy, carried in fp32 through the tokens, and stored
+// (rounded) after token t into copy after_tokens(current, t), as on the CPU.
 template <typename input_t, typename state_t>
 __global__ void generic_eager_kernel(const __grid_constant__ Params p) {
   const StateCacheLayout& l = p.cache;
@@ -190,27 +193,48 @@ __global__ void generic_eager_kernel(const __grid_constant__ Params p) {
   const int h = blockIdx.x, b = blockIdx.y;
   const int slot = resolve_slot(l, p.slot_ids, b);
   if (slot < 0) return;
+  const int T = p.num_tokens;
   const int g = h / (d.heads / d.key_heads);
-  const float delta = softplus(p.dt[std::int64_t{b} * d.heads + h] + p.dt_bias[h]);
-  const float decay = expf(p.A[h] * delta);
-  const auto* B = static_cast<const input_t*>(p.B) + (std::int64_t{b} * d.key_heads + g) * d.cols;
-  const auto* C = static_cast<const input_t*>(p.C) + (std::int64_t{b} * d.key_heads + g) * d.cols;
-  for (int row = threadIdx.x; row < d.rows; row += blockDim.x) {
-    const std::int64_t out = (std::int64_t{b} * d.heads + h) * d.rows + row;
-    state_t* S = static_cast<state_t*>(l.state) +
-                 ((l.layer_slot(p.layer, slot) * d.heads + h) * d.rows + row) * d.cols;
-    const float xdt = to_float(static_cast<const input_t*>(p.x)[out]) * delta;
-    float acc = 0.0f;
-    for (int n = 0; n < d.cols; ++n) {
-      const float s = decay * to_float(S[n]) + xdt * to_float(B[n]);
-      S[n] = from_float<state_t>(s);
-      acc += s * to_float(C[n]);
-    }
-    float y = acc + p.D[h] * to_float(static_cast<const input_t*>(p.x)[out]);
-    if (p.z != nullptr) y *= silu(to_float(static_cast<const input_t*>(p.z)[out]));
-    static_cast<input_t*>(p.y)[out] = from_float<input_t>(y);
+  const int current = l.current_copy(slot);
+  float delta[kMaxWindow], decay[kMaxWindow];
+  for (int t = 0; t < T; ++t) {
+    const std::int64_t bt = std::int64_t{b} * T + t;
+    delta[t] = softplus(p.dt[bt * d.heads + h] + p.dt_bias[h]);
+    decay[t] = expf(p.A[h] * delta[t]);
   }
-  if (h == 0 && threadIdx.x == 0) l.pending[l.layer_slot(p.layer, slot)] = 1;
+  // Token t's B or C of the group.
+  auto key = [&](const void* v, int t) {
+    return static_cast<const input_t*>(v) + ((std::int64_t{b} * T + t) * d.key_heads + g) * d.cols;
+  };
+  auto* state = static_cast<state_t*>(l.state);
+  for (int row = threadIdx.x; row < d.rows; row += blockDim.x) {
+    const std::int64_t row_elem = (std::int64_t{h} * d.rows + row) * d.cols;
+    const state_t* S = state + l.state_offset(p.layer, slot, current) + row_elem;
+    float xdt[kMaxWindow], acc[kMaxWindow];
+    for (int t = 0; t < T; ++t) {
+      const std::int64_t out = ((std::int64_t{b} * T + t) * d.heads + h) * d.rows + row;
+      xdt[t] = to_float(static_cast<const input_t*>(p.x)[out]) * delta[t];
+      acc[t] = 0.0f;
+    }
+    for (int n = 0; n < d.cols; ++n) {
+      float s = to_float(S[n]);
+      for (int t = 0; t < T; ++t) {
+        s = decay[t] * s + xdt[t] * to_float(key(p.B, t)[n]);
+        state[l.state_offset(p.layer, slot, l.after_tokens(current, t + 1)) + row_elem + n] =
+            from_float<state_t>(s);
+        acc[t] += s * to_float(key(p.C, t)[n]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const std::int64_t out = ((std::int64_t{b} * T + t) * d.heads + h) * d.rows + row;
+      float y = acc[t] + p.D[h] * to_float(static_cast<const input_t*>(p.x)[out]);
+      if (p.z != nullptr) y *= silu(to_float(static_cast<const input_t*>(p.z)[out]));
+      static_cast<input_t*>(p.y)[out] = from_float<input_t>(y);
+    }
+  }
+  if (h == 0 && threadIdx.x == 0) {
+    l.pending[l.layer_slot(p.layer, slot)] = static_cast<std::uint8_t>(T);
+  }
 }
 
 }  // namespace

@@ -9,7 +9,9 @@
 
 namespace replayssm::cuda::mamba2 {
 
-/// Eager decode of one layer (T = 1): the state is updated in place.
+/// Eager decode of one layer: on a one-copy cache (max_spec_tokens = 1) the state is updated in
+/// place; on a cache with a state copy per draft the window reads the current copy once and
+/// writes the state after each token into its own copy.
 Status launch_eager(const Params& params, cudaStream_t stream);
 /// Replay decode of one layer, or (num_tokens 0) an explicit fold of it, moving the layer's
 /// fold cursor (cursors.cuh).

@@ -41,10 +41,11 @@ struct CommitParams {
   const std::int32_t* accepted;
 };
 
-// committed += k, pending = 0 in every layer. k is clamped to [0, the fewest tokens any layer
-// decoded]: the CPU backend rejects anything else up front, but device-resident counts cannot
-// be checked without a host round trip, and a bad count must not move a cursor past the ring
-// or over a record some layer never wrote. A programmatic launch (launch.cuh): at small batch
+// committed += k, pending = 0 in every layer, and an eager window's copy after token k made
+// current. k is clamped to [0, the fewest tokens any layer decoded]: the CPU backend rejects
+// anything else up front, but device-resident counts cannot be checked without a host round
+// trip, and a bad count must not move a cursor past the ring, over a record some layer never
+// wrote, or onto a state copy some layer did not write. A programmatic launch (launch.cuh): at small batch
 // a step is a few short kernels, and this one's launch overlaps the last decode's tail.
 __global__ void commit_kernel(const __grid_constant__ CommitParams p) {
   grid_dependency_wait();
@@ -66,6 +67,10 @@ __global__ void commit_kernel(const __grid_constant__ CommitParams p) {
   }
   const int k = std::min(std::max(p.accepted[b], 0), pending);
   l.committed[slot] += static_cast<std::uint32_t>(k);
+  // An eager window's copy after token k becomes the current state (no state moves).
+  if (l.state_current != nullptr) {
+    l.state_current[slot] = static_cast<std::uint32_t>(l.after_tokens(l.current_copy(slot), k));
+  }
 }
 
 // Host <-> device copies on the caller's stream, so that they order against the kernels; the
@@ -157,6 +162,23 @@ Status fold(StateCacheLayout& cache, const FoldArgs& args, Stream stream) {
                      to_cuda(stream));
 }
 
+namespace {
+
+// Element offset of (layer, slot)'s current eager state copy (reads state_current; synchronises).
+Status eager_state_offset(const StateCacheLayout& l, int layer, int slot, cudaStream_t stream,
+                          std::int64_t* offset) {
+  int current = 0;
+  if (l.state_current != nullptr) {
+    std::uint32_t raw = 0;
+    REPLAYSSM_RETURN_IF_ERROR(copy_sync(&raw, l.state_current + slot, sizeof raw, stream));
+    current = int(raw % std::uint32_t(l.state_copies()));
+  }
+  *offset = l.state_offset(layer, slot, current);
+  return Status::ok();
+}
+
+}  // namespace
+
 Status load_state(StateCacheLayout& l, int layer, int slot, const float* state, Stream s) {
   const cudaStream_t stream = to_cuda(s);
   const std::int64_t n = l.state_elems();
@@ -165,11 +187,13 @@ Status load_state(StateCacheLayout& l, int layer, int slot, const float* state, 
   REPLAYSSM_RETURN_IF_ERROR(copy_sync(host.data(), state, host.size() * 4, stream));
   REPLAYSSM_RETURN_IF_ERROR(validate_finite_state(l, host.data()));
   if (l.config.mode == DecodeMode::kEager) {
+    std::int64_t offset = 0;
+    REPLAYSSM_RETURN_IF_ERROR(eager_state_offset(l, layer, slot, stream, &offset));
     return StateDTypes::dispatch(l.config.state_dtype, "state dtype", [&](auto st) {
       using state_t = dtype_t<st.value>;
       std::vector<state_t> converted(host.size());
       for (std::size_t i = 0; i < host.size(); ++i) converted[i] = from_float<state_t>(host[i]);
-      return copy_sync(static_cast<state_t*>(l.state) + ls * n, converted.data(),
+      return copy_sync(static_cast<state_t*>(l.state) + offset, converted.data(),
                        converted.size() * sizeof(state_t), stream);
     });
   }
@@ -205,10 +229,12 @@ Status export_state(StateCacheLayout& l, int layer, int slot, float* state, Stre
   const std::int64_t ls = l.layer_slot(layer, slot);
   std::vector<float> host(static_cast<std::size_t>(n));
   if (l.config.mode == DecodeMode::kEager) {
+    std::int64_t offset = 0;
+    REPLAYSSM_RETURN_IF_ERROR(eager_state_offset(l, layer, slot, stream, &offset));
     REPLAYSSM_RETURN_IF_ERROR(StateDTypes::dispatch(l.config.state_dtype, "state dtype", [&](auto st) {
       using state_t = dtype_t<st.value>;
       std::vector<state_t> raw(host.size());
-      REPLAYSSM_RETURN_IF_ERROR(copy_sync(raw.data(), static_cast<state_t*>(l.state) + ls * n,
+      REPLAYSSM_RETURN_IF_ERROR(copy_sync(raw.data(), static_cast<state_t*>(l.state) + offset,
                                           raw.size() * sizeof(state_t), stream));
       for (std::size_t i = 0; i < raw.size(); ++i) host[i] = to_float(raw[i]);
       return Status::ok();
