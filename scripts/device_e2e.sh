@@ -7,7 +7,7 @@
 # summary on stdout. Plot here afterwards: python -m replayssm.bench_e2e --plot bench_e2e.json
 #   run: command "scripts/device_e2e.sh", carry [".deps"] (nlohmann/ headers: the GPU machine
 #   has no apt).
-# Expected runtime on an H200: about 8 minutes (install ~2, tests ~2, benchmark ~4). Phases
+# Expected runtime on an H200: about 7 minutes (install ~2, tests ~2, benchmark ~3). Phases
 # can run in separate calls on the same warm machine: scripts/device_e2e.sh install test, then
 # scripts/device_e2e.sh bench (BENCH_ARGS replaces the benchmark's arguments).
 set -uo pipefail
