@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The end-to-end model path on a GPU machine with PyTorch, in one call: `pip install
-# --no-build-isolation .` (CUDA backend, sm_90), the CUDA tests of the model, attention and
+# --no-build-isolation .` (CUDA backend, sm_90), the CUDA tests of the model files
+# (test_models_*.py, the fused decode kernels' test_models_fused.py included), attention and
 # engine test files, then `python -m replayssm.bench_e2e` (both real layouts, every state mode,
 # batches 1/16/64/256, synchronized and staggered starts). Outputs under $OUT: summary.txt,
 # pytest.log, bench_e2e.json, bench_e2e.txt, logs.tar.gz (pip and bench stderr); a short

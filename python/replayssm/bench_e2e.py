@@ -6,8 +6,8 @@ fp32 state, in the same run.
     python -m replayssm.bench_e2e --plot FILE.json [--out FILE.png]
 
 For each layout (the real Nemotron-3-Nano-4B and Qwen3.5-4B layouts by default, random bf16
-weights), batch and state mode, one decode step of the whole model (``model.step`` and a greedy
-argmax, the engine's :class:`~replayssm.models.engine.StepRunner`) is captured in a CUDA graph
+weights), batch and state mode, one decode step of the whole model (``model.step_argmax``: the
+greedy token, the engine's :class:`~replayssm.models.engine.StepRunner`) is captured in a CUDA graph
 and replayed; a row is its slot, every row is live (no pad rows).
 
 Context. Every row starts with ``--context`` tokens of synthetic context, laid down without a

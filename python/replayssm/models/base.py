@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import replayssm
 import replayssm.torch as rt
 
+from . import fused
+
 __all__ = ["CacheLayout", "DecodeContext", "HybridModel", "ServingCache", "StateMode",
            "causal_attention", "reference_decode_attention"]
 
@@ -267,20 +269,21 @@ class ServingCache:
         return _activate(out, activation).t().to(x.dtype)
 
     def conv_decode(self, layer: int, ctx: DecodeContext, x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
+                    bias: torch.Tensor | None, activation: str | None = "silu",
+                    splits: "list[int] | None" = None) -> "torch.Tensor | list[torch.Tensor]":
         """The causal conv1d of a decode window ``x`` [B, T, C] over each row's ring (written
-        here, committed by ``lengths``). Returns [B, T, C] in x's dtype."""
+        here, committed by ``lengths``). Returns [B, T, C] in x's dtype, or with ``splits``
+        (channel counts summing to C) one contiguous [B, T, s] tensor per split, as the SSM ops
+        take them. On CUDA one fused kernel (fused.conv_decode) does it all."""
         B, T, C = x.shape
-        K = weight.shape[-1]
         flat = self.conv[layer].view(-1, C)
-        flat.index_copy_(0, ctx.conv_write, x.reshape(B * T, C).to(flat.dtype))
-        window = flat.index_select(0, ctx.conv_read).view(B, K - 1 + T, C).to(weight.dtype)
-        out = window[:, 0:T] * weight[:, 0]
-        for k in range(1, K):
-            out = out + window[:, k:k + T] * weight[:, k]
-        if bias is not None:
-            out = out + bias
-        return _activate(out, activation).to(x.dtype)
+        if fused.available(x) and x.stride(-1) == 1:
+            outs = fused.conv_decode(x, flat, ctx.conv_write, ctx.conv_read, weight, bias,
+                                     activation, [C] if splits is None else splits)
+            return outs[0] if splits is None else outs
+        out = conv_decode_reference(x, flat, ctx.conv_write, ctx.conv_read, weight, bias,
+                                    activation)
+        return out if splits is None else [t.contiguous() for t in out.split(splits, -1)]
 
     # ---- attention ----------------------------------------------------------------------------
 
@@ -301,6 +304,23 @@ class ServingCache:
         """Attention of a window's queries q [B, T, Hq, head_dim] (after kv_decode) over each
         row's keys [0, lengths + t]: the engine's decode_attention where present."""
         return _decode_attention()(q, self.k[layer], self.v[layer], ctx.rows32, ctx.lengths, scale)
+
+
+def conv_decode_reference(x: torch.Tensor, ring: torch.Tensor, conv_write: torch.Tensor,
+                          conv_read: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str | None) -> torch.Tensor:
+    """A decode window's causal conv1d in plain torch ops (the CPU path, and the fused kernel's
+    reference; arguments as :func:`fused.conv_decode`'s). Returns [B, T, C] in x's dtype."""
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    ring.index_copy_(0, conv_write, x.reshape(B * T, C).to(ring.dtype))
+    window = ring.index_select(0, conv_read).view(B, K - 1 + T, C).to(weight.dtype)
+    out = window[:, 0:T] * weight[:, 0]
+    for k in range(1, K):
+        out = out + window[:, k:k + T] * weight[:, k]
+    if bias is not None:
+        out = out + bias
+    return _activate(out, activation).to(x.dtype)
 
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -350,9 +370,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class HybridModel(torch.nn.Module, abc.ABC):
     """A hybrid decoder (SSM mixers, attention, MLP) served from a :class:`ServingCache`.
 
-    Families implement ``cache_layout``, ``prefill``, ``decode``, ``random`` and
-    ``from_pretrained``; ``commit`` and ``step`` are shared. ``decode`` and ``step`` do no host
-    sync and have no data-dependent shapes, so an engine can capture them in a CUDA graph.
+    Families implement ``cache_layout``, ``prefill``, ``decode_logits``, ``random`` and
+    ``from_pretrained``; ``decode``, ``commit``, ``step`` and ``step_argmax`` are shared. None
+    of them does a host sync or has data-dependent shapes, so an engine can capture them in a
+    CUDA graph.
     """
 
     @abc.abstractmethod
@@ -366,11 +387,16 @@ class HybridModel(torch.nn.Module, abc.ABC):
         returns the logits [n, vocab] (float32)."""
 
     @abc.abstractmethod
+    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
+                      tokens: torch.Tensor) -> torch.Tensor:
+        """``decode``'s logits in the LM head's dtype (no float32 copy of [B, T, vocab])."""
+
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:
         """A window of ``tokens`` (int64 [B, T]) for the rows ``slot_ids`` (int32 [B], -1 = pad
         row), token t at position ``lengths[slot] + t``; commits nothing. Returns the logits
         [B, T, vocab] (float32)."""
+        return self.decode_logits(cache, slot_ids, tokens).float()
 
     def commit(self, cache: ServingCache, slot_ids: torch.Tensor,
                accepted: torch.Tensor) -> None:
@@ -387,6 +413,15 @@ class HybridModel(torch.nn.Module, abc.ABC):
         logits = self.decode(cache, slot_ids, tokens[:, None])
         self.commit(cache, slot_ids, torch.ones_like(slot_ids))
         return logits[:, 0]
+
+    def step_argmax(self, cache: ServingCache, slot_ids: torch.Tensor,
+                    tokens: torch.Tensor) -> torch.Tensor:
+        """``step``'s greedy tokens, ``step(...).argmax(-1)`` (int64 [B]), without float32
+        logits: widening to float32 is exact, so the argmax of the LM head's own output is the
+        same index (a [B, vocab] fp32 write and read saved per step)."""
+        logits = self.decode_logits(cache, slot_ids, tokens[:, None])
+        self.commit(cache, slot_ids, torch.ones_like(slot_ids))
+        return logits[:, 0].argmax(-1)
 
     @classmethod
     @abc.abstractmethod

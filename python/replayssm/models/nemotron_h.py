@@ -34,6 +34,7 @@ from torch import nn
 
 import replayssm
 
+from . import fused
 from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
 from .loader import check_tensors, read_config, read_tensors
 
@@ -235,6 +236,8 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if fused.available(h):
+            return fused.rms_norm(h, self.weight, self.eps)
         dtype = h.dtype
         h = h.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -250,6 +253,9 @@ class _GatedRMSNorm(_RMSNorm):
         self.group_size = group_size
 
     def forward(self, h: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if fused.available(h):
+            return fused.rms_norm(h, self.weight, self.eps, group_size=self.group_size, gate=gate,
+                                  gate_at=None if gate is None else "before")
         dtype = h.dtype
         h = h.float()
         if gate is not None:
@@ -281,11 +287,17 @@ class _Mamba2Mixer(nn.Module):
     def _conv_args(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.conv1d.weight[:, 0], self.conv1d.bias
 
-    def _xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _xbc_splits(self) -> list[int]:
         c = self.cfg
         GN = c.n_groups * c.ssm_state_size
-        x, B, C = xbc.split([c.mamba_intermediate, GN, GN], -1)
-        lead = xbc.shape[:-1]
+        return [c.mamba_intermediate, GN, GN]
+
+    def _xbc(self, xbc: "torch.Tensor | list[torch.Tensor]"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x, B, C (heads split) of the conv's output, whole or split already."""
+        c = self.cfg
+        x, B, C = xbc.split(self._xbc_splits(), -1) if isinstance(xbc, torch.Tensor) else xbc
+        lead = x.shape[:-1]
         return (x.reshape(*lead, c.mamba_num_heads, c.mamba_head_dim),
                 B.reshape(*lead, c.n_groups, c.ssm_state_size),
                 C.reshape(*lead, c.n_groups, c.ssm_state_size))
@@ -307,8 +319,9 @@ class _Mamba2Mixer(nn.Module):
                h: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         z, xbc, dt = self._split(h)
-        xbc = cache.conv_decode(layer, ctx, xbc, *self._conv_args())
-        x, B, C = self._xbc(xbc)
+        # Split by the conv itself: x, B and C come out contiguous (no copies for the op).
+        x, B, C = self._xbc(cache.conv_decode(layer, ctx, xbc, *self._conv_args(),
+                                              splits=self._xbc_splits()))
         Bsz, T = h.shape[:2]
         y = replayssm.mamba2_decode(
             cache.ssm, layer, ctx.slot_ids, x.contiguous(), dt.float().contiguous(),
@@ -497,7 +510,7 @@ class NemotronHModel(HybridModel):
         for block in self.model.layers:
             x = block.norm(h.to(block.norm.weight.dtype))
             h = h + (block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x))
-        return self.lm_head(self.model.norm_f(h)).float()
+        return self.lm_head(self.model.norm_f(h))
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
@@ -505,11 +518,11 @@ class NemotronHModel(HybridModel):
         logits = self._stack(self.model.embeddings(tokens.to(cache.device)),
                              lambda block, x: block.mixer.prefill(cache, block.index, slot, x))
         cache.lengths[slot] = tokens.numel()
-        return logits
+        return logits.float()
 
     @torch.no_grad()
-    def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
-               tokens: torch.Tensor) -> torch.Tensor:
+    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
+                      tokens: torch.Tensor) -> torch.Tensor:
         ctx = cache.decode_context(slot_ids, tokens)
         return self._stack(self.model.embeddings(tokens),
                            lambda block, x: block.mixer.decode(cache, block.index, ctx, x))

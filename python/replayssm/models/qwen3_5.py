@@ -42,6 +42,7 @@ from torch import nn
 
 import replayssm
 
+from . import fused
 from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
 
 __all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
@@ -293,6 +294,8 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.available(x):
+            return fused.rms_norm(x, self.weight, self.eps, one_plus=True)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
@@ -308,6 +311,8 @@ class _GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if fused.available(o):
+            return fused.rms_norm(o, self.weight, self.eps, gate=z, gate_at="after")
         y = o.float()
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
         return (self.weight * y * F.silu(z.float())).to(o.dtype)
@@ -351,11 +356,15 @@ class _GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         return g, torch.sigmoid(self.in_proj_b(x)).float()
 
-    def split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv outputs [..., conv_dim] -> q, k [..., Hk, K], v [..., Hv, V]."""
+    def splits(self) -> list[int]:
+        return [self.c.key_dim, self.c.key_dim, self.c.value_dim]
+
+    def split(self, mixed: "torch.Tensor | list[torch.Tensor]"
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [..., conv_dim] (or split already) -> q, k [..., Hk, K], v [..., Hv, V]."""
         c = self.c
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        lead = mixed.shape[:-1]
+        q, k, v = mixed.split(self.splits(), dim=-1) if isinstance(mixed, torch.Tensor) else mixed
+        lead = q.shape[:-1]
         return (q.reshape(*lead, c.linear_num_key_heads, c.linear_key_head_dim),
                 k.reshape(*lead, c.linear_num_key_heads, c.linear_key_head_dim),
                 v.reshape(*lead, c.linear_num_value_heads, c.linear_value_head_dim))
@@ -386,8 +395,9 @@ class _GatedDeltaNet(nn.Module):
                rope: Any) -> torch.Tensor:
         """A window x [B, T, hidden] through gdn_decode (q and k normalised and q scaled by
         the op, as the prefill scan does)."""
-        mixed = cache.conv_decode(layer, ctx, self.in_proj_qkv(x), *self._conv_args())
-        q, k, v = (t.contiguous() for t in self.split(mixed))
+        # Split by the conv itself: q, k and v come out contiguous (no copies for the op).
+        q, k, v = self.split(cache.conv_decode(layer, ctx, self.in_proj_qkv(x),
+                                               *self._conv_args(), splits=self.splits()))
         g, beta = self.gates(x)
         o = replayssm.gdn_decode(cache.ssm, layer, ctx.slot_ids, q, k, v, g.contiguous(),
                                  beta.contiguous(), scale=self.c.linear_key_head_dim ** -0.5,
@@ -603,13 +613,14 @@ class Qwen35Model(HybridModel):
 
     def _stack(self, tokens: torch.Tensor, positions: torch.Tensor, mix) -> torch.Tensor:
         """Embedding, the decoder layers (``mix(mixer, cache_layer, x, rope)`` runs a layer's
-        GDN or attention, prefill or decode), final norm and LM head; fp32 logits."""
+        GDN or attention, prefill or decode), final norm and LM head; logits in the weights'
+        dtype."""
         h = self.model.embed_tokens(tokens)
         rope = self._rope(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = h + mix(layer.mixer, self._cache_index[i], layer.input_layernorm(h), rope)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.model.norm(h)).float()
+        return self.lm_head(self.model.norm(h))
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
@@ -619,11 +630,11 @@ class Qwen35Model(HybridModel):
         logits = self._stack(tokens, positions,
                              lambda m, layer, x, rope: m.prefill(cache, layer, slot, x, rope))
         cache.lengths[slot] = tokens.numel()
-        return logits
+        return logits.float()
 
     @torch.no_grad()
-    def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
-               tokens: torch.Tensor) -> torch.Tensor:
+    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
+                      tokens: torch.Tensor) -> torch.Tensor:
         ctx = cache.decode_context(slot_ids, tokens)
         return self._stack(tokens, ctx.positions,
                            lambda m, layer, x, rope: m.decode(cache, layer, ctx, x, rope))
