@@ -1,5 +1,11 @@
 """Helpers shared by the model families' tests (replayssm.models): where and in which dtype a
-test runs, the tolerance of each state mode, relative errors, single-threaded CPU runs."""
+test runs, the tolerance of each state mode, relative errors, single-threaded CPU runs, Triton
+kernels run on the CPU through Triton's interpreter."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -58,3 +64,29 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+_INTERPRETER_PRELUDE = textwrap.dedent("""
+    import torch
+    from triton.runtime import interpreter
+    # Triton 3.6's interpreter turns loop bounds into ints with int(array of shape (1,)), which
+    # NumPy 2 refuses; read the element instead.
+    _patch = interpreter._patch_lang_tensor
+    def _patched(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = _patched
+    torch.set_num_threads(1)
+""")
+
+
+def run_in_triton_interpreter(script: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs ``script`` in a new Python process under Triton's interpreter (Triton kernels on CPU
+    tensors, through NumPy; it must be switched on before triton is imported, hence a process),
+    with the tests' directory on the path. The script reports a failure by its exit status."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", _INTERPRETER_PRELUDE + textwrap.dedent(script)],
+                          env=env, capture_output=True, text=True, timeout=timeout)

@@ -13,8 +13,6 @@ output's largest value, 2^-6 relative. A wrong group, gate or weight index errs 
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -152,16 +150,7 @@ def check_models(device, dtype, steps=5):
 # ---- on the CPU, through Triton's interpreter -----------------------------------------------
 
 _INTERPRETER_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    from triton.runtime import interpreter
-    # Triton 3.6's interpreter turns loop bounds into ints with int(array of shape (1,)), which
-    # NumPy 2 refuses; read the element instead.
-    _patch = interpreter._patch_lang_tensor
-    def _patched(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interpreter._patch_lang_tensor = _patched
-    torch.set_num_threads(1)
+    import sys
     import test_models_fused as t
     fails = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -187,13 +176,7 @@ MODEL_TOL_FP32 = 1e-4
 
 
 def test_fused_kernels_in_interpreter():
-    pytest.importorskip("triton")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
-    script = _INTERPRETER_SCRIPT.format(model_tol=MODEL_TOL_FP32)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = mu.run_in_triton_interpreter(_INTERPRETER_SCRIPT.format(model_tol=MODEL_TOL_FP32))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
