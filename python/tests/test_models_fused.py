@@ -1,6 +1,6 @@
 """The decode step's fused Triton kernels (replayssm.models.fused) against the plain-torch path
 they replace: the RMSNorm variants of both families, the causal conv1d decode (ring written,
-output split), and whole tiny models decoding with and without them.
+output split), the GDN gates, and whole tiny models decoding with and without them.
 
 On the CPU the kernels run through Triton's interpreter (in a subprocess: it must be switched on
 before triton is imported), fp32 and bf16; on the GPU (marker ``cuda``) at the real layouts'
@@ -88,6 +88,20 @@ def check_norms(device, dtype, s):
     return worst
 
 
+def check_gates(device, dtype, s):
+    """The GDN's gates, fused against torch: the worst relative error of (g, beta)."""
+    gen = torch.Generator().manual_seed(3)
+    c = qw.tiny_config(hidden_size=32, linear_num_value_heads=s["heads"])
+    m = qw._GatedDeltaNet(c).to(device, dtype)
+    with torch.no_grad():
+        for p in (m.A_log, m.dt_bias, m.in_proj_a.weight, m.in_proj_b.weight):
+            p.copy_(3 * torch.randn(p.shape, generator=gen))
+    x = torch.randn(s["rows"], 1, 32, generator=gen).to(device, dtype)
+    (g, beta), (g_ref, beta_ref) = both_paths(lambda: m.gates(x))
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == g_ref.shape
+    return max(err(g, g_ref), err(beta, beta_ref))
+
+
 def check_conv(device, dtype, s, T, bias):
     """The conv decode, fused against torch, on a ring with live and pad rows (one scratch row),
     x a strided slice: (output error, ring error, splits' shapes and contiguity)."""
@@ -158,6 +172,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         for name, e in t.check_norms("cpu", dtype, t.TINY).items():
             if not e <= tol:
                 fails.append(f"norm {{name}} {{dtype}}: {{e}} > {{tol}}")
+        e = t.check_gates("cpu", dtype, t.TINY)
+        if not e <= tol:
+            fails.append(f"gdn gates {{dtype}}: {{e}} > {{tol}}")
         for T in (1, 3):
             for bias in (False, True):
                 out, ring, shapes = t.check_conv("cpu", dtype, t.TINY, T, bias)
@@ -195,6 +212,25 @@ def test_fused_path_is_off_on_the_cpu_and_refuses_bad_arguments():
         fused.rms_norm(x, torch.ones(8), 1e-5, gate=x)
 
 
+def test_weight_constants_are_kept_until_a_weight_changes():
+    from replayssm.models.base import weight_constant
+
+    m = torch.nn.Linear(2, 2)
+    calls = []
+
+    def neg(w):
+        calls.append(1)
+        return -w.float()
+
+    first = weight_constant(m, "neg", neg, m.weight)
+    assert weight_constant(m, "neg", neg, m.weight) is first and len(calls) == 1
+    with torch.no_grad():
+        m.weight.mul_(2)  # in place: the version counter moves
+    assert torch.equal(weight_constant(m, "neg", neg, m.weight), -m.weight) and len(calls) == 2
+    m.weight = torch.nn.Parameter(torch.ones(2, 2))  # another tensor
+    assert torch.equal(weight_constant(m, "neg", neg, m.weight), -torch.ones(2, 2))
+
+
 # ---- on the GPU, at the real layouts' shapes -----------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -204,6 +240,13 @@ def test_fused_path_is_off_on_the_cpu_and_refuses_bad_arguments():
 def test_fused_norms_on_gpu(shapes, dtype):
     worst = check_norms("cuda", dtype, shapes)
     assert all(e <= TOL[dtype] for e in worst.values()), worst
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_gdn_gates_on_gpu(dtype):
+    assert check_gates("cuda", dtype, REAL) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("T", [1, 4])

@@ -36,7 +36,7 @@ import replayssm.torch as rt
 from . import fused
 
 __all__ = ["CacheLayout", "DecodeContext", "HybridModel", "ServingCache", "StateMode",
-           "causal_attention", "reference_decode_attention"]
+           "causal_attention", "reference_decode_attention", "weight_constant"]
 
 _EAGER_PRECISIONS = ("fp32", "bf16")
 _REPLAY_PRECISIONS = ("fp32", "bf16", "fp32+bf16", "fp32+fp8")
@@ -304,6 +304,19 @@ class ServingCache:
         """Attention of a window's queries q [B, T, Hq, head_dim] (after kv_decode) over each
         row's keys [0, lengths + t]: the engine's decode_attention where present."""
         return _decode_attention()(q, self.k[layer], self.v[layer], ctx.rows32, ctx.lengths, scale)
+
+
+def weight_constant(module: torch.nn.Module, name: str, fn: Any, *params: torch.Tensor) -> Any:
+    """``fn(*params)`` (e.g. Mamba-2's -exp(A_log) in float32), computed once and kept on
+    ``module`` until one of ``params`` changes (another tensor, or an in-place write: its
+    version counter), so a decode step does not recompute per-weight constants every token. A
+    CUDA graph captured before a weight changes keeps the old constant: capture after loading."""
+    stamp = tuple((p.data_ptr(), p._version) for p in params)
+    kept = module.__dict__.setdefault("_weight_constants", {})
+    if name not in kept or kept[name][0] != stamp:
+        with torch.no_grad():
+            kept[name] = (stamp, fn(*params))
+    return kept[name][1]
 
 
 def conv_decode_reference(x: torch.Tensor, ring: torch.Tensor, conv_write: torch.Tensor,

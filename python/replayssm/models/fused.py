@@ -9,6 +9,8 @@ path (the CPU path and the reference, in base.py and the families) runs several.
 - :func:`rms_norm`: RMSNorm over groups of a row, with the rounding orders the families use and
   an optional SiLU gate before or after the norm: one launch against the torch path's six to
   nine.
+- :func:`gdn_gates`: the Gated DeltaNet's g and beta from its a and b projections: one launch
+  against nine.
 
 Rounding. Each kernel rounds where the torch path rounds: the conv accumulates in the weight's
 dtype with a rounding after every multiply and add, as the torch path's bf16 arithmetic does;
@@ -34,7 +36,7 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves every call
     triton = None
 
-__all__ = ["available", "conv_decode", "rms_norm"]
+__all__ = ["available", "conv_decode", "gdn_gates", "rms_norm"]
 
 _ENABLED = os.environ.get("REPLAYSSM_FUSED", "1") != "0"
 _CONV_BLOCK = 256
@@ -103,6 +105,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, group_size: i
         G=G, W_PER_GROUP=weight.numel() == G and N != G, GATE=_GATE[gate_at],
         ONE_PLUS=one_plus, BLOCK=triton.next_power_of_2(G))
     return out.view(x.shape)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta), float32 like ``a`` [..., H]: g = -exp(A_log) * softplus(a + dt_bias) in fp32
+    (softplus linear above 20, as torch's), beta = sigmoid(b) rounded to b's dtype."""
+    H = a.shape[-1]
+    a2, b2 = _rows(a, H), _rows(b, H)
+    g = torch.empty(a2.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    _gdn_gates_kernel[(a2.shape[0],)](a2, b2, A_log.contiguous(), dt_bias.contiguous(), g, beta,
+                                      a2.stride(0), b2.stride(0), H,
+                                      BLOCK=triton.next_power_of_2(H))
+    return g.view(a.shape), beta.view(a.shape)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -183,3 +199,20 @@ if triton is not None:
             z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
         tl.store(out_ptr + row * G * tl.num_programs(1) + col, y.to(xdt), mask=live)
+
+    @triton.jit
+    def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, bias_ptr, g_ptr, beta_ptr, stride_a, stride_b,
+                          H, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        live = i < H
+        a = tl.load(a_ptr + row * stride_a + i, mask=live, other=0.0).to(tl.float32)
+        u = a + tl.load(bias_ptr + i, mask=live, other=0.0).to(tl.float32)
+        # torch's softplus: linear above 20; exp(u) where 1 + exp(u) would round to 1.
+        e = tl.exp(tl.minimum(u, 20.0))
+        softplus = tl.where(u > 20.0, u, tl.where(u < -15.0, e, tl.log(1.0 + e)))
+        decay = tl.exp(tl.load(alog_ptr + i, mask=live, other=0.0).to(tl.float32))
+        tl.store(g_ptr + row * H + i, -decay * softplus, mask=live)
+        b = tl.load(b_ptr + row * stride_b + i, mask=live, other=0.0)
+        beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+        tl.store(beta_ptr + row * H + i, beta.to(b.dtype).to(tl.float32), mask=live)

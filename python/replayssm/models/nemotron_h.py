@@ -35,7 +35,8 @@ from torch import nn
 import replayssm
 
 from . import fused
-from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
+from .base import (CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention,
+                   weight_constant)
 from .loader import check_tensors, read_config, read_tensors
 
 __all__ = ["NemotronHConfig", "NemotronHModel", "ssd_chunk_scan"]
@@ -323,10 +324,13 @@ class _Mamba2Mixer(nn.Module):
         x, B, C = self._xbc(cache.conv_decode(layer, ctx, xbc, *self._conv_args(),
                                               splits=self._xbc_splits()))
         Bsz, T = h.shape[:2]
+        A, D, dt_bias = weight_constant(
+            self, "decode", lambda A_log, D, dt_bias: (-torch.exp(A_log.float()),
+                                                       D.float().contiguous(),
+                                                       dt_bias.float().contiguous()),
+            self.A_log, self.D, self.dt_bias)
         y = replayssm.mamba2_decode(
-            cache.ssm, layer, ctx.slot_ids, x.contiguous(), dt.float().contiguous(),
-            B.contiguous(), C.contiguous(), -torch.exp(self.A_log.float()),
-            self.D.float().contiguous(), self.dt_bias.float().contiguous(),
+            cache.ssm, layer, ctx.slot_ids, x, dt.float().contiguous(), B, C, A, D, dt_bias,
             z=z.reshape(Bsz, T, c.mamba_num_heads, c.mamba_head_dim).contiguous())
         return self.out_proj(self.norm(y.flatten(-2)))
 

@@ -352,6 +352,8 @@ class _GatedDeltaNet(nn.Module):
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g, beta) in fp32 [..., num_v_heads]: g = -exp(A_log) softplus(a + dt_bias) taken in
         fp32, beta = sigmoid(b) in the activations' dtype (as transformers rounds them)."""
+        if fused.available(x):
+            return fused.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         a = self.in_proj_a(x).float()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         return g, torch.sigmoid(self.in_proj_b(x)).float()
