@@ -1,6 +1,7 @@
 """The decode step's fused Triton kernels (replayssm.models.fused) against the plain-torch path
-they replace: the RMSNorm variants of both families, the causal conv1d decode (ring written,
-output split), the GDN gates, and whole tiny models decoding with and without them.
+they replace: the RMSNorm variants of both families (with the residual add), the causal conv1d
+decode (ring written, output split), the GDN gates, and whole tiny models decoding with and
+without them.
 
 On the CPU the kernels run through Triton's interpreter (in a subprocess: it must be switched on
 before triton is imported), fp32 and bf16; on the GPU (marker ``cuda``) at the real layouts'
@@ -77,9 +78,12 @@ def check_norms(device, dtype, s):
     h = randn(rows, 1, s["hidden"], scale=3.0)
     o = randn(rows, 1, s["heads"], s["head_dim"], scale=3.0)
     zo = randn(rows, 1, s["heads"], s["head_dim"], scale=3.0)
+    delta = randn(rows, 1, s["hidden"], scale=3.0)
     cases = {"nemotron": lambda: nem(h), "nemotron-gated": lambda: gated(x, z),
              "nemotron-grouped": lambda: gated(x), "qwen": lambda: qn(h),
-             "qwen-gdn-output": lambda: gdn(o, zo)}
+             "qwen-gdn-output": lambda: gdn(o, zo),
+             "nemotron-add": lambda: torch.cat(nem.add(h, delta), -1),
+             "qwen-add": lambda: torch.cat(qn.add(h, delta), -1)}
     worst = {}
     for name, fn in cases.items():
         got, ref = both_paths(fn)

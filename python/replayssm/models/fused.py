@@ -8,7 +8,7 @@ path (the CPU path and the reference, in base.py and the families) runs several.
   2K - 1 multiplies and adds, the bias, the activation and one copy per split.
 - :func:`rms_norm`: RMSNorm over groups of a row, with the rounding orders the families use and
   an optional SiLU gate before or after the norm: one launch against the torch path's six to
-  nine.
+  nine; :func:`add_rms_norm` adds the residual stream's update in the same launch.
 - :func:`gdn_gates`: the Gated DeltaNet's g and beta from its a and b projections: one launch
   against nine.
 
@@ -36,7 +36,7 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves every call
     triton = None
 
-__all__ = ["available", "conv_decode", "gdn_gates", "rms_norm"]
+__all__ = ["add_rms_norm", "available", "conv_decode", "gdn_gates", "rms_norm"]
 
 _ENABLED = os.environ.get("REPLAYSSM_FUSED", "1") != "0"
 _CONV_BLOCK = 256
@@ -101,10 +101,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, group_size: i
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     grid = (x2.shape[0], N // G)
     _rms_norm_kernel[grid](
-        x2, g2, weight, out, x2.stride(0), g2.stride(0), float(eps),
+        x2, g2, x2, x2, weight, out, x2.stride(0), g2.stride(0), x2.stride(0), float(eps),
         G=G, W_PER_GROUP=weight.numel() == G and N != G, GATE=_GATE[gate_at],
-        ONE_PLUS=one_plus, BLOCK=triton.next_power_of_2(G))
+        ONE_PLUS=one_plus, HAS_RES=False, BLOCK=triton.next_power_of_2(G))
     return out.view(x.shape)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)): a residual stream's update and the next norm (over the
+    whole row, rounding as :func:`rms_norm`), the sum rounded to h's dtype first, as the torch
+    path's ``h = h + delta`` does. Both [..., N] in h's dtype."""
+    N = h.shape[-1]
+    h2, d2 = _rows(h, N), _rows(delta, N)
+    total = torch.empty(h2.shape, dtype=h.dtype, device=h.device)
+    out = torch.empty_like(total)
+    _rms_norm_kernel[(h2.shape[0], 1)](
+        h2, h2, d2, total, weight.contiguous(), out, h2.stride(0), h2.stride(0), d2.stride(0),
+        float(eps), G=N, W_PER_GROUP=False, GATE=0, ONE_PLUS=one_plus, HAS_RES=True,
+        BLOCK=triton.next_power_of_2(N))
+    return total.view(h.shape), out.view(h.shape)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
@@ -174,9 +190,10 @@ if triton is not None:
                      mask=(c >= end1) & live)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, stride_x, stride_g, eps,
-                         G: tl.constexpr, W_PER_GROUP: tl.constexpr, GATE: tl.constexpr,
-                         ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_g,
+                         stride_r, eps, G: tl.constexpr, W_PER_GROUP: tl.constexpr,
+                         GATE: tl.constexpr, ONE_PLUS: tl.constexpr, HAS_RES: tl.constexpr,
+                         BLOCK: tl.constexpr):
         row = tl.program_id(0)
         group = tl.program_id(1)
         i = tl.arange(0, BLOCK)
@@ -184,6 +201,11 @@ if triton is not None:
         col = group * G + i
         xdt = x_ptr.dtype.element_ty
         h = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
+        if HAS_RES:  # h + delta in x's dtype (stored), then its norm
+            d = tl.load(res_ptr + row * stride_r + col, mask=live, other=0.0).to(tl.float32)
+            h = (h + d).to(xdt)
+            tl.store(sum_ptr + row * G * tl.num_programs(1) + col, h, mask=live)
+            h = h.to(tl.float32)
         if GATE == 1:
             z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
             h = h * (z / (1.0 + tl.exp(-z)))

@@ -236,6 +236,13 @@ class _RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def add(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): one launch on the fused path."""
+        if fused.available(h) and h.dtype == delta.dtype == self.weight.dtype:
+            return fused.add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if fused.available(h):
             return fused.rms_norm(h, self.weight, self.eps)
@@ -511,10 +518,15 @@ class NemotronHModel(HybridModel):
     def _stack(self, h: torch.Tensor, mixer: Any) -> torch.Tensor:
         """The blocks over embeddings ``h``, the SSM and attention mixers run by
         ``mixer(block, x)`` (prefill or decode), then the final norm and the LM head."""
+        h = h.to(self.model.norm_f.weight.dtype)
+        delta = None  # each block's update, added to h by the next norm (one fused launch)
         for block in self.model.layers:
-            x = block.norm(h.to(block.norm.weight.dtype))
-            h = h + (block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x))
-        return self.lm_head(self.model.norm_f(h))
+            if delta is None:
+                x = block.norm(h)
+            else:
+                h, x = block.norm.add(h, delta)
+            delta = block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x)
+        return self.lm_head(self.model.norm_f.add(h, delta)[1])
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:

@@ -293,6 +293,13 @@ class _RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def add(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): one launch on the fused path."""
+        if fused.available(h) and h.dtype == delta.dtype:
+            return fused.add_rms_norm(h, delta, self.weight, self.eps, one_plus=True)
+        h = h + delta
+        return h, self(h)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.available(x):
             return fused.rms_norm(x, self.weight, self.eps, one_plus=True)
@@ -619,10 +626,16 @@ class Qwen35Model(HybridModel):
         dtype."""
         h = self.model.embed_tokens(tokens)
         rope = self._rope(positions, h.dtype)
+        delta = None  # each update is added to h by the next norm (one fused launch)
         for i, layer in enumerate(self.model.layers):
-            h = h + mix(layer.mixer, self._cache_index[i], layer.input_layernorm(h), rope)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.model.norm(h))
+            if delta is None:
+                x = layer.input_layernorm(h)
+            else:
+                h, x = layer.input_layernorm.add(h, delta)
+            delta = mix(layer.mixer, self._cache_index[i], x, rope)
+            h, x = layer.post_attention_layernorm.add(h, delta)
+            delta = layer.mlp(x)
+        return self.lm_head(self.model.norm.add(h, delta)[1])
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
