@@ -90,3 +90,34 @@ def run_in_triton_interpreter(script: str, timeout: float = 600) -> subprocess.C
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-c", _INTERPRETER_PRELUDE + textwrap.dedent(script)],
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_captured_step(model, prompts, steps: int = 12) -> None:
+    """model.step captured in a CUDA graph (replay fp32 folding every 4 tokens, a pad row) and
+    replayed, against the same steps run eagerly on a second cache: identical logits across
+    folds. ``prompts``: three int64 prompts on the GPU."""
+    from replayssm.models import ServingCache
+
+    caches = [ServingCache(model, 4, 128, "replay-fp32:4") for _ in range(2)]
+    for c in caches:
+        for p in prompts:
+            model.prefill(c, c.allocate(), p)
+    ids = torch.tensor([0, -1, 1, 2], dtype=torch.int32, device="cuda")
+    static = torch.tensor([3, 3, 4, 5], device="cuda")
+    eager_cache, graph_cache = caches
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (one step on each cache)
+        for c in caches:
+            model.step(c, ids, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = model.step(graph_cache, ids, static)
+    tokens = static.clone()
+    for _ in range(steps):
+        static.copy_(tokens)
+        graph.replay()
+        ref = model.step(eager_cache, ids, tokens)
+        assert torch.equal(static_out[[0, 2, 3]], ref[[0, 2, 3]])
+        tokens = ref.argmax(-1)

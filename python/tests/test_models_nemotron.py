@@ -234,30 +234,7 @@ def test_a_captured_step_equals_eager_steps():
     """model.step captured in a CUDA graph (bf16, replay fp32, a pad row) and replayed, against
     the same steps run eagerly on a second cache: identical logits across folds."""
     model = tiny_model("cuda", torch.bfloat16)
-    caches = [ServingCache(model, 4, 128, "replay-fp32:4") for _ in range(2)]
-    ps = prompts("cuda")
-    for c in caches:
-        for p in ps:
-            model.prefill(c, c.allocate(), p)
-    ids = int32([0, -1, 1, 2], "cuda")
-    static = torch.tensor([3, 3, 4, 5], device="cuda")
-    eager_cache, graph_cache = caches
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture (one step on each cache)
-        for c in caches:
-            model.step(c, ids, static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = model.step(graph_cache, ids, static)
-    tokens = static.clone()
-    for _ in range(12):
-        static.copy_(tokens)
-        graph.replay()
-        ref = model.step(eager_cache, ids, tokens)
-        assert torch.equal(static_out[[0, 2, 3]], ref[[0, 2, 3]])
-        tokens = ref.argmax(-1)
+    mu.check_captured_step(model, prompts("cuda"))
 
 
 # ---- loading ----------------------------------------------------------------------------------
