@@ -34,6 +34,7 @@ import replayssm
 import replayssm.torch as rt
 
 from . import fused
+from .loader import check_tensors, read_config, read_tensors
 
 __all__ = ["CacheLayout", "DecodeContext", "HybridModel", "ServingCache", "StateMode",
            "causal_attention", "reference_decode_attention", "weight_constant"]
@@ -384,10 +385,46 @@ class HybridModel(torch.nn.Module, abc.ABC):
     """A hybrid decoder (SSM mixers, attention, MLP) served from a :class:`ServingCache`.
 
     Families implement ``cache_layout``, ``prefill``, ``decode_logits``, ``random`` and
-    ``from_pretrained``; ``decode``, ``commit``, ``step`` and ``step_argmax`` are shared. None
-    of them does a host sync or has data-dependent shapes, so an engine can capture them in a
-    CUDA graph.
+    ``input_embeddings``, and set ``config_class`` (a config with ``from_hf`` and
+    ``tie_word_embeddings``) and ``ignored_tensors``; ``decode``, ``commit``, ``step``,
+    ``step_argmax``, ``from_pretrained`` and ``from_tensors`` are shared. None of the decode
+    methods does a host sync or has data-dependent shapes, so an engine can capture them in a
+    CUDA graph. A family's module has ``config`` and ``lm_head`` attributes.
     """
+
+    config_class: Any
+    #: Checkpoint tensor name prefixes the model does not use (skipped, not refused).
+    ignored_tensors: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def input_embeddings(self) -> torch.nn.Embedding:
+        """The token embedding (which ``lm_head`` shares when the config ties them)."""
+
+    def _tie(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.input_embeddings().weight
+
+    @classmethod
+    def _config(cls, config: Any) -> Any:
+        """``config`` itself, or the family's config read from a config.json dict."""
+        return cls.config_class.from_hf(config) if isinstance(config, dict) else config
+
+    @classmethod
+    def _empty(cls, config: Any, device: Any, dtype: torch.dtype) -> "HybridModel":
+        """Uninitialised weights on ``device`` in ``dtype`` (built on the meta device: a 4B
+        layout never passes through host memory), ready for inference."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to(dtype).to_empty(device=device)
+        model._tie()  # to_empty makes new parameters: tie them again
+        return model.eval().requires_grad_(False)
+
+    @classmethod
+    def _checkpoint_names(cls, names: list[str], tensors: dict[str, torch.Tensor]
+                          ) -> dict[str, str]:
+        """Each of the model's tensor names -> its name in ``tensors`` (a checkpoint's own
+        naming); the same names by default."""
+        return {n: n for n in names}
 
     @abc.abstractmethod
     def cache_layout(self) -> CacheLayout:
@@ -443,7 +480,29 @@ class HybridModel(torch.nn.Module, abc.ABC):
         """A model of ``config`` with seeded random weights."""
 
     @classmethod
-    @abc.abstractmethod
     def from_pretrained(cls, path: Any, device: Any = "cpu",
                         dtype: torch.dtype = torch.float32) -> "HybridModel":
-        """A model from a Hugging Face model directory (config.json + safetensors)."""
+        """A model from a Hugging Face model directory (config.json + safetensors, sharded or
+        not)."""
+        config = cls.config_class.from_hf(read_config(path))
+        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
+
+    @classmethod
+    def from_tensors(cls, config: Any, tensors: dict[str, torch.Tensor], device: Any = "cpu",
+                     dtype: torch.dtype = torch.float32) -> "HybridModel":
+        """A model over ``tensors`` (named as the family's checkpoints name them); refuses a
+        missing, mis-shaped or unknown tensor by its name in ``tensors`` before building
+        anything. A tied ``lm_head.weight`` may be present or not."""
+        with torch.device("meta"):
+            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
+        ignored = list(cls.ignored_tensors)
+        if config.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+            ignored.append("lm_head.weight")
+        file_name = cls._checkpoint_names(list(expected), tensors)
+        check_tensors({file_name[k]: s for k, s in expected.items()}, tensors, ignored)
+        model = cls._empty(config, device, dtype)
+        params = dict(model.named_parameters())
+        for name in expected:
+            params[name].copy_(tensors[file_name[name]])
+        return model

@@ -37,7 +37,6 @@ import replayssm
 from . import fused
 from .base import (CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention,
                    weight_constant)
-from .loader import check_tensors, read_config, read_tensors
 
 __all__ = ["NemotronHConfig", "NemotronHModel", "ssd_chunk_scan"]
 
@@ -410,24 +409,20 @@ class NemotronHModel(HybridModel):
     ``model.embeddings``, ``model.layers.{i}.norm``, ``model.layers.{i}.mixer.*``,
     ``model.norm_f``, ``lm_head`` (hub checkpoints' ``backbone.`` prefix is read as ``model.``)."""
 
+    config_class = NemotronHConfig
+    ignored_tensors = ("mtp.",)  # multi-token-prediction heads, which transformers skips too
+
     def __init__(self, config: NemotronHConfig) -> None:
         super().__init__()
         self.config = config
         self.model = _Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embeddings.weight
+        self._tie()
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
 
     # ---- construction -------------------------------------------------------------------------
-
-    @classmethod
-    def _empty(cls, config: NemotronHConfig, device: Any, dtype: torch.dtype) -> "NemotronHModel":
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embeddings.weight
-        return model.eval().requires_grad_(False)
 
     @classmethod
     def random(cls, config: "NemotronHConfig | dict", seed: int = 0, device: Any = "cpu",
@@ -436,8 +431,7 @@ class NemotronHModel(HybridModel):
         embeddings N(0, 1), norms 1 + N(0, 0.1^2), A_log = log(1..H), D near 1, dt_bias the
         inverse softplus of dt log-uniform in [time_step_min, time_step_max] (transformers'
         Mamba-2 initialisation)."""
-        if isinstance(config, dict):
-            config = NemotronHConfig.from_hf(config)
+        config = cls._config(config)
         model = cls._empty(config, device, dtype)
         gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
 
@@ -474,33 +468,12 @@ class NemotronHModel(HybridModel):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: Any, device: Any = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "NemotronHModel":
-        """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
-        config = NemotronHConfig.from_hf(read_config(path))
-        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
-
-    @classmethod
-    def from_tensors(cls, config: NemotronHConfig, tensors: dict[str, torch.Tensor],
-                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "NemotronHModel":
-        """A model over ``tensors`` (transformers' or the hub's names); refuses a missing,
-        mis-shaped or unknown tensor by name before building anything."""
-        with torch.device("meta"):
-            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
-        ignored = ["mtp."]  # multi-token-prediction heads, which transformers skips too
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight")
-            ignored.append("lm_head.weight")
-        # Checked under the checkpoint's own names, so that an error names what its files hold.
+    def _checkpoint_names(cls, names: list[str], tensors: dict[str, torch.Tensor]
+                          ) -> dict[str, str]:
+        """The hub's checkpoints name the backbone ``backbone.*`` (transformers: ``model.*``)."""
         hub = any(k.startswith(_HUB_PREFIX) for k in tensors)
-        file_name = {k: (_HUB_PREFIX + k[len("model."):] if hub and k.startswith("model.") else k)
-                     for k in expected}
-        check_tensors({file_name[k]: s for k, s in expected.items()}, tensors, ignored)
-        model = cls._empty(config, device, dtype)
-        params = dict(model.named_parameters())
-        for name in expected:
-            params[name].copy_(tensors[file_name[name]])
-        return model
+        return {k: (_HUB_PREFIX + k[len("model."):] if hub and k.startswith("model.") else k)
+                for k in names}
 
     # ---- serving ------------------------------------------------------------------------------
 

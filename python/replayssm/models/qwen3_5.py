@@ -48,6 +48,8 @@ from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_
 __all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
 
 LINEAR, FULL = "linear_attention", "full_attention"
+#: Where a published Qwen3.5 checkpoint (the multimodal model) keeps the text decoder.
+_TOWER_PREFIX = "model.language_model."
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": FULL}
 
 
@@ -502,29 +504,23 @@ class Qwen35Model(HybridModel):
     a :class:`ServingCache`: GDN layers through the replayssm state cache, attention layers over
     its static KV cache."""
 
+    config_class = Qwen35Config
+    ignored_tensors = ("model.visual.", "mtp.")
+
     def __init__(self, config: Qwen35Config) -> None:
         super().__init__()
         self.config = config
         self.model = _TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._tie()
         # The SSM cache's layer index of each GDN layer, the KV cache's of each attention layer.
         self._cache_index = {i: n for n, i in enumerate(config.ssm_layers)}
         self._cache_index.update({i: n for n, i in enumerate(config.attention_layers)})
 
-    # ---- construction -----------------------------------------------------------------------
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
-    @classmethod
-    def _empty(cls, config: Qwen35Config, device: Any, dtype: torch.dtype) -> "Qwen35Model":
-        """Uninitialised weights on ``device`` (built on the meta device: a 4B layout never
-        passes through host memory)."""
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype).to_empty(device=device)
-        if config.tie_word_embeddings:  # to_empty makes new parameters: tie them again
-            model.lm_head.weight = model.model.embed_tokens.weight
-        return model.eval().requires_grad_(False)
+    # ---- construction -----------------------------------------------------------------------
 
     @classmethod
     def random(cls, config: Any, seed: int = 0, device: Any = "cpu",
@@ -534,8 +530,7 @@ class Qwen35Model(HybridModel):
         small model (weights N(0, 1 / fan_in), embeddings N(0, 1)); the parameters
         transformers initialises to constants are drawn around them (norm weights, dt_bias) so
         that a test sees each one used; A uniform in [0.01, 16] as transformers draws it."""
-        if isinstance(config, dict):
-            config = Qwen35Config.from_hf(config)
+        config = cls._config(config)
         model = cls._empty(config, device, dtype)
         gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
 
@@ -565,39 +560,14 @@ class Qwen35Model(HybridModel):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: Any, device: Any = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
-        from .loader import read_config, read_tensors
-
-        config = Qwen35Config.from_hf(read_config(path))
-        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
-
-    @classmethod
-    def from_tensors(cls, config: Qwen35Config, tensors: dict[str, torch.Tensor],
-                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """A model over ``tensors`` by ``Qwen3_5ForCausalLM``'s names (``model.*``,
-        ``lm_head.weight``) or a published ``Qwen3_5ForConditionalGeneration``'s (the text
-        tower under ``model.language_model.*``; its vision tower and multi-token-prediction
-        head are skipped); refuses a missing, mis-shaped or unknown tensor by name before
-        building anything."""
-        from .loader import check_tensors
-
-        prefix = "model.language_model."
-        tensors = {("model." + k[len(prefix):] if k.startswith(prefix) else k): t
-                   for k, t in tensors.items()}
-        with torch.device("meta"):
-            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
-        ignored = ["model.visual.", "mtp."]
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight")
-            ignored.append("lm_head.weight")
-        check_tensors(expected, tensors, ignored)
-        model = cls._empty(config, device, dtype)
-        params = dict(model.named_parameters())
-        for name in expected:
-            params[name].copy_(tensors[name])
-        return model
+    def _checkpoint_names(cls, names: list[str], tensors: dict[str, torch.Tensor]
+                          ) -> dict[str, str]:
+        """``Qwen3_5ForCausalLM``'s names (``model.*``, ``lm_head.weight``), or a published
+        ``Qwen3_5ForConditionalGeneration``'s: the text tower under ``model.language_model.*``
+        (its vision tower and multi-token-prediction head are skipped)."""
+        tower = any(k.startswith(_TOWER_PREFIX) for k in tensors)
+        return {k: (_TOWER_PREFIX + k[len("model."):] if tower and k.startswith("model.") else k)
+                for k in names}
 
     def cache_layout(self) -> CacheLayout:
         c = self.config
