@@ -206,26 +206,9 @@ def test_eager_mode_refuses_windows_and_bad_input_leaves_the_cache_untouched():
 
 @pytest.mark.parametrize("where", mu.DEVICES)
 def test_a_rows_logits_do_not_depend_on_the_other_rows(where):
-    """Row 0 (slot 0) beside different sequences and pad rows, in two caches: bit-identical
-    logits at every step, across folds (buffer length 4)."""
+    """Row 0 beside other sequences, pad rows and a late joiner: mu.check_rows_independent."""
     device, dtype = where
-    model = tiny_model(device, dtype)
-    ps = prompts(device, lengths=(9, 14, 3, 17), seed=8)
-    runs = []
-    for others, layout in (((1, 2), (0, 1, -1, 2)), ((3,), (0, -1, 1, -1))):
-        cache = ServingCache(model, 4, 128, "replay-fp32:4")
-        slots = [cache.allocate() for _ in range(1 + len(others))]
-        last = [model.prefill(cache, s, ps[i])[-1] for s, i in zip(slots, (0, *others))]
-        ids = int32([slots[i] if i >= 0 else -1 for i in layout], device)
-        tokens = torch.stack([last[i].argmax() if i >= 0 else torch.tensor(5, device=device)
-                              for i in layout])
-        row0 = []
-        for _ in range(12):
-            out = model.step(cache, ids, tokens)
-            row0.append(out[0])
-            tokens = out.argmax(-1)
-        runs.append(torch.stack(row0))
-    assert torch.equal(runs[0], runs[1])
+    mu.check_rows_independent(tiny_model(device, dtype), prompts(device, lengths=(9, 14, 3, 17), seed=8), device)
 
 
 @pytest.mark.cuda
