@@ -82,6 +82,8 @@ def check_norms(device, dtype, s):
     cases = {"nemotron": lambda: nem(h), "nemotron-gated": lambda: gated(x, z),
              "nemotron-grouped": lambda: gated(x), "qwen": lambda: qn(h),
              "qwen-gdn-output": lambda: gdn(o, zo),
+             # The prefill's form: the scan's fp32 output, the weight and gate in dtype.
+             "nemotron-gated-fp32-input": lambda: gated(x.float(), z),
              "nemotron-add": lambda: torch.cat(nem.add(h, delta), -1),
              "qwen-add": lambda: torch.cat(qn.add(h, delta), -1)}
     worst = {}

@@ -85,10 +85,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, group_size: i
              one_plus: bool = False) -> torch.Tensor:
     """RMSNorm of ``x`` [..., N] over groups of ``group_size`` channels (default N), in float32,
     with ``weight`` [N] or [group_size]. Rounding as the families: ``one_plus`` (Qwen3.5's
-    norm): ``(y * (1 + w)).to(dtype)``, one rounding; otherwise ``w * y.to(dtype)`` in w's dtype
-    (Nemotron-H's and the GDN output norm). ``gate`` [..., N] (``gate_at`` "before": x *
-    silu(gate) in fp32 before the norm, Nemotron-H's; "after": the weighted result times
-    silu(gate) in fp32, the GDN output norm's). Returns x's shape and dtype."""
+    norm): ``(y * (1 + w)).to(dtype)``, one rounding; otherwise ``w * y.to(dtype)`` in torch's
+    promoted dtype of the two (Nemotron-H's and the GDN output norm). ``gate`` [..., N]
+    (``gate_at`` "before": x * silu(gate) in fp32 before the norm, Nemotron-H's; "after": the
+    weighted result times silu(gate) in fp32, the GDN output norm's). Returns x's shape, in
+    x's dtype, except Nemotron-H's form (neither ``one_plus`` nor a gate after), which returns
+    the promoted dtype of x and the weight, as its torch path does."""
     N = x.shape[-1]
     G = N if group_size is None else group_size
     if N % G or weight.numel() not in (N, G) or (gate is None) != (gate_at is None):
@@ -98,12 +100,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, group_size: i
     x2 = _rows(x, N)
     g2 = x2 if gate is None else _rows(gate, N)
     weight = weight.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    product = torch.promote_types(weight.dtype, x.dtype)
+    plain = not one_plus and gate_at != "after"
+    out = torch.empty(x2.shape, dtype=product if plain else x.dtype, device=x.device)
     grid = (x2.shape[0], N // G)
     _rms_norm_kernel[grid](
         x2, g2, x2, x2, weight, out, x2.stride(0), g2.stride(0), x2.stride(0), float(eps),
         G=G, W_PER_GROUP=weight.numel() == G and N != G, GATE=_GATE[gate_at],
-        ONE_PLUS=one_plus, HAS_RES=False, BLOCK=triton.next_power_of_2(G))
+        ONE_PLUS=one_plus, ROUND_PRODUCT=product != torch.float32, HAS_RES=False,
+        BLOCK=triton.next_power_of_2(G))
     return out.view(x.shape)
 
 
@@ -118,7 +123,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     out = torch.empty_like(total)
     _rms_norm_kernel[(h2.shape[0], 1)](
         h2, h2, d2, total, weight.contiguous(), out, h2.stride(0), h2.stride(0), d2.stride(0),
-        float(eps), G=N, W_PER_GROUP=False, GATE=0, ONE_PLUS=one_plus, HAS_RES=True,
+        float(eps), G=N, W_PER_GROUP=False, GATE=0, ONE_PLUS=one_plus,
+        ROUND_PRODUCT=torch.promote_types(weight.dtype, h.dtype) != torch.float32, HAS_RES=True,
         BLOCK=triton.next_power_of_2(N))
     return total.view(h.shape), out.view(h.shape)
 
@@ -192,7 +198,8 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_g,
                          stride_r, eps, G: tl.constexpr, W_PER_GROUP: tl.constexpr,
-                         GATE: tl.constexpr, ONE_PLUS: tl.constexpr, HAS_RES: tl.constexpr,
+                         GATE: tl.constexpr, ONE_PLUS: tl.constexpr,
+                         ROUND_PRODUCT: tl.constexpr, HAS_RES: tl.constexpr,
                          BLOCK: tl.constexpr):
         row = tl.program_id(0)
         group = tl.program_id(1)
@@ -210,17 +217,21 @@ if triton is not None:
             z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
             h = h * (z / (1.0 + tl.exp(-z)))
         y = h * (1.0 / tl.sqrt(tl.sum(h * h, axis=0) / G + eps))
-        w_ptrs = w_ptr + (i if W_PER_GROUP else col)
-        w = tl.load(w_ptrs, mask=live, other=0.0)
-        if ONE_PLUS:
-            y = y * (1.0 + w.to(tl.float32))
+        if W_PER_GROUP:
+            w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
         else:
-            wdt = w_ptr.dtype.element_ty
-            y = (w.to(tl.float32) * y.to(xdt).to(tl.float32)).to(wdt).to(tl.float32)
+            w = tl.load(w_ptr + col, mask=live, other=0.0).to(tl.float32)
+        if ONE_PLUS:
+            y = y * (1.0 + w)
+        else:
+            y = w * y.to(xdt).to(tl.float32)
+            if ROUND_PRODUCT:  # both 16-bit: the product rounds to the weight's dtype
+                y = y.to(w_ptr.dtype.element_ty).to(tl.float32)
         if GATE == 2:
             z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
-        tl.store(out_ptr + row * G * tl.num_programs(1) + col, y.to(xdt), mask=live)
+        tl.store(out_ptr + row * G * tl.num_programs(1) + col,
+                 y.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, bias_ptr, g_ptr, beta_ptr, stride_a, stride_b,
