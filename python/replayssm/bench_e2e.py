@@ -6,14 +6,17 @@ fp32 state, in the same run.
     python -m replayssm.bench_e2e --plot FILE.json [--out FILE.png]
 
 For each layout (the real Nemotron-3-Nano-4B and Qwen3.5-4B layouts by default, random bf16
-weights), batch and state mode, one decode step of the whole model (``model.step`` and a greedy
-argmax, the engine's :class:`~replayssm.models.engine.StepRunner`) is captured in a CUDA graph
-and replayed; a row is its slot, every row is live (no pad rows).
+weights), batch and state mode, one decode step of the whole model (``model.step_argmax``: the
+greedy token, the engine's :class:`~replayssm.models.engine.StepRunner`) is captured in a CUDA graph
+and replayed; a row is its slot, every row is live (no pad rows). On CUDA the step runs the
+fused Triton kernels of :mod:`replayssm.models.fused` (conv, norms, GDN gates);
+``REPLAYSSM_FUSED=0`` in the environment times the plain-torch step instead.
 
 Context. Every row starts with ``--context`` tokens of synthetic context, laid down without a
 prefill (a real one at batch 256 would dominate the run): the KV rows [0, context) and the conv
 windows are filled with N(0, 1) values, each SSM layer's state is loaded with a random state
-(``StateCache.load_state``, as a prefill hands it over), and ``lengths`` is set to the context.
+(``StateCache.load_state`` into one slot, as a prefill hands it over, then copied on the device
+to the other slots: :func:`fill_ssm_state`), and ``lengths`` is set to the context.
 Decode cost depends on the lengths and shapes, not on the values. The context grows by the steps
 the run decodes (a few hundred at most).
 
@@ -28,14 +31,17 @@ with CUDA events; ms per step is the median window's mean, tokens/s is batch / (
 Speedups divide eager-fp32's ms per step by each mode's, at the same layout, batch and starts,
 measured in this run.
 
-Breakdown (staggered starts by default, ``--profile-starts``). ``torch.profiler`` records L (at
+Breakdown (the largest batch, staggered starts by default: ``--profile-batches``,
+``--profile-starts``; ``--profile-all`` for every batch and start). ``torch.profiler`` records L (at
 least 4) more graph replays; each GPU kernel's time goes to one class by its name: ``ssm`` the
 library's kernels (namespace ``replayssm::``: decode, fold, commit), ``attention`` this
 package's decode-attention kernels, ``gemm`` cuBLAS/CUTLASS matrix kernels (names with gemm,
 gemv, nvjet, cutlass, xmma, splitK), ``other`` the rest (norms, activations, the causal conv,
 rotary, KV and conv-window writes, copies, argmax). Shares are of the summed kernel time
 (kernels of one graph do not overlap). On the CPU the same classes come from the top-level
-operators of eager steps (the SSM op and attention are tagged with record_function).
+operators of eager steps (the SSM op and attention are tagged with record_function). A profiled
+row also lists its top kernels by time (``top_kernels``: name, class, calls and us per step), so
+the "other" class can be read; the text summary prints the first few.
 
 ``attention_gb_per_s`` is the live keys' and values' bytes per step over the attention
 kernels' time per step (on CUDA): how close the attention kernel runs to memory bandwidth.
@@ -74,6 +80,8 @@ DEFAULT_BATCHES = (1, 16, 64, 256)
 STARTS = ("synchronized", "staggered")
 BASELINE = "eager-fp32"
 PROFILE_STEPS = 4  # at least; a replay mode profiles one fold period
+TOP_KERNELS = 15  # kernels (operators on the CPU) a profiled row lists by time
+SUMMARY_TOP = 8  # of those, the text summary prints
 
 #: The speedups over eager-fp32 aimed at (batch 256, staggered starts, H200).
 TARGETS = {
@@ -137,15 +145,34 @@ def fill_context(cache: ServingCache, history: torch.Tensor, batch: int, context
                                                dtype=kv.dtype)
     cache.conv[:, rows] = torch.randn(cache.conv[:, rows].shape, generator=gen,
                                       device=cache.device, dtype=cache.conv.dtype)
-    shape = cache.ssm.config.state_shape
-    for layer in range(cache.ssm.config.num_layers):
-        # One random state per layer, loaded into every row: the values do not change the cost.
-        state = 0.1 * torch.randn(shape, generator=gen, device=cache.device)
-        for slot in slots:
-            cache.ssm.load_state(layer, slot, state)
+    fill_ssm_state(cache.ssm, slots, gen)
     cache.lengths[rows] = context
     history[rows, context] = torch.randint(0, 100, (batch,), generator=gen, device=cache.device)
     return slots
+
+
+def fill_ssm_state(ssm, slots: list[int], gen: torch.Generator) -> None:
+    """Loads one random state per layer into every slot of ``slots``, in bulk on the device:
+    ``load_state`` writes the first slot's every copy the mode keeps (fp32 master, bf16 copy,
+    fp8 + scales; the emptied ring and its counters), then each buffer's region of that slot is
+    copied to the others, so every slot holds the same valid state (a per-slot, per-layer
+    ``load_state`` took most of a configuration's setup at batch 256)."""
+    first, rest = slots[0], slots[1:]
+    for layer in range(ssm.config.num_layers):
+        # The values do not change the cost; a small scale keeps the decode finite.
+        ssm.load_state(layer, first, 0.1 * torch.randn(ssm.config.state_shape, generator=gen,
+                                                       device=gen.device))
+    if not rest:
+        return
+    others = torch.tensor(rest, device=gen.device)
+    for spec in replayssm.cache_buffers(ssm.config):
+        if spec.name == "allocated":  # the slots' own; allocate() set them
+            continue
+        buf = ssm.buffers[spec.name]
+        outer = 1 if spec.slot_axis == 0 else spec.shape[0]
+        # As bytes [outer, capacity, region]: every dtype (fp8 included) copies the same way.
+        region = buf.view(torch.uint8).view(outer, spec.shape[spec.slot_axis], -1)
+        region[:, others] = region[:, first:first + 1].clone()
 
 
 def stagger(runner: StepRunner, slots: list[int], buffer_len: int) -> None:
@@ -213,8 +240,10 @@ def tagged_ops():
             setattr(mod, name, fn)
 
 
-def breakdown(runner: StepRunner, steps: int, device: str) -> tuple[dict[str, float], float, str]:
-    """(share of each class, kernel or operator ms per step, what was profiled)."""
+def breakdown(runner: StepRunner, steps: int, device: str
+              ) -> tuple[dict[str, float], float, str, list[dict[str, Any]]]:
+    """(share of each class, kernel or operator ms per step, what was profiled, the top
+    kernels or operators by time: name, class, calls and us per step)."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -222,6 +251,7 @@ def breakdown(runner: StepRunner, steps: int, device: str) -> tuple[dict[str, fl
     warnings.filterwarnings("ignore", message=".*Profiler clears events")
 
     totals = dict.fromkeys(CLASSES, 0.0)
+    by_name: dict[str, list[float]] = {}  # name -> [calls, us]
     if device == "cuda":
         # Graph replays where the profiler sees their kernels; else the same step's eager calls.
         for source, step in (("cuda graph replays", runner.run), ("eager steps", runner.eager_step)):
@@ -230,9 +260,13 @@ def breakdown(runner: StepRunner, steps: int, device: str) -> tuple[dict[str, fl
                 for _ in range(steps):
                     step()
                 sync(device)
+            by_name.clear()
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     totals[kernel_class(e.name)] += e.device_time_total
+                    entry = by_name.setdefault(e.name, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += e.device_time_total
             if sum(totals.values()) > 0:
                 break
         else:
@@ -245,8 +279,15 @@ def breakdown(runner: StepRunner, steps: int, device: str) -> tuple[dict[str, fl
         for e in prof.events():
             if e.cpu_parent is None:
                 totals[operator_class(e.name)] += e.cpu_time_total
+                entry = by_name.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.cpu_time_total
     total = sum(totals.values())
-    return ({k: v / total for k, v in totals.items()}, total / 1e3 / steps, source)
+    classify = kernel_class if device == "cuda" else operator_class
+    top = [dict(name=name, cls=classify(name), calls_per_step=calls / steps,
+                us_per_step=us / steps)
+           for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]]
+    return ({k: v / total for k, v in totals.items()}, total / 1e3 / steps, source, top)
 
 
 def bench_one(model, layout: str, mode: StateMode, batch: int, starts: list[str],
@@ -285,15 +326,16 @@ def bench_one(model, layout: str, mode: StateMode, batch: int, starts: list[str]
                    context=args.context, ms_per_step=ms_step, ms_windows=ms,
                    tokens_per_s=batch * 1e3 / ms_step, steps_per_window=steps,
                    cache_gb=cache_bytes / 2**30)
-        if start_kind in args.profile_starts:
+        if start_kind in args.profile_starts and batch in args.profile_batches:
             try:
-                shares, profiled_ms, source = breakdown(runner, max(period, PROFILE_STEPS), device)
+                shares, profiled_ms, source, top = breakdown(runner, max(period, PROFILE_STEPS),
+                                                             device)
             except RuntimeError as e:  # the timings stand without it
                 row["profile_error"] = str(e)
                 print(f"[bench_e2e] no breakdown: {e}", file=sys.stderr, flush=True)
             else:
                 row.update(breakdown=shares, ssm_share=shares["ssm"],
-                           profiled_ms_per_step=profiled_ms, profiled=source)
+                           profiled_ms_per_step=profiled_ms, profiled=source, top_kernels=top)
                 if device == "cuda" and shares["attention"] > 0:
                     row["attention_gb_per_s"] = (kv_bytes_per_step(cache, slots)
                                                  / (shares["attention"] * profiled_ms * 1e6))
@@ -327,6 +369,12 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
             + "".join(f"{100 * s[c]:>5.0f}%" if c in s else f"{'':>6}" for c in CLASSES)
             + (f"{r['peak_memory_gb']:>9.1f}" if "peak_memory_gb" in r else f"{'':>9}")
             + (f"{r['attention_gb_per_s']:>10.0f}" if "attention_gb_per_s" in r else ""))
+    for r in runs:
+        if r.get("top_kernels"):
+            lines.append(f"top kernels: {r['layout']} {r['starts']} batch {r['batch']} "
+                         f"{r['mode']} ({r['profiled_ms_per_step']:.3f} ms/step profiled)")
+            lines += [f"  {k['us_per_step']:>9.1f} us {k['calls_per_step']:>6.1f}x "
+                      f"{k['cls']:<9} {k['name'][:100]}" for k in r["top_kernels"][:SUMMARY_TOP]]
     for layout, targets in TARGETS.items():
         for mode, target in targets.items():
             got = [r["speedup_vs_eager_fp32"] for r in runs
@@ -409,6 +457,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
     p.add_argument("--profile-starts", nargs="*", default=["staggered"], choices=STARTS,
                    help="the starts whose step breakdown is profiled (none: no profile)")
+    p.add_argument("--profile-batches", nargs="*", type=int,
+                   help="the batches profiled (default: the largest of --batches)")
+    p.add_argument("--profile-all", action="store_true",
+                   help="profile every batch and both starts")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -421,6 +473,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.modes = [StateMode.parse(m) for m in args.modes]
         except ValueError as e:
             p.error(str(e))
+        if args.profile_all:
+            args.profile_starts, args.profile_batches = list(STARTS), list(args.batches)
+        elif args.profile_batches is None:
+            args.profile_batches = [max(args.batches)]
         if any(b < 1 for b in args.batches) or args.context < 1 or args.steps < 1 \
                 or args.repeats < 1:
             p.error("batches, context, steps and repeats must be positive")

@@ -1,5 +1,11 @@
 """Helpers shared by the model families' tests (replayssm.models): where and in which dtype a
-test runs, the tolerance of each state mode, relative errors, single-threaded CPU runs."""
+test runs, the tolerance of each state mode, relative errors, single-threaded CPU runs, Triton
+kernels run on the CPU through Triton's interpreter."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -58,3 +64,88 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+_INTERPRETER_PRELUDE = textwrap.dedent("""
+    import torch
+    from triton.runtime import interpreter
+    # Triton 3.6's interpreter turns loop bounds into ints with int(array of shape (1,)), which
+    # NumPy 2 refuses; read the element instead.
+    _patch = interpreter._patch_lang_tensor
+    def _patched(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = _patched
+    torch.set_num_threads(1)
+""")
+
+
+def run_in_triton_interpreter(script: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs ``script`` in a new Python process under Triton's interpreter (Triton kernels on CPU
+    tensors, through NumPy; it must be switched on before triton is imported, hence a process),
+    with the tests' directory on the path. The script reports a failure by its exit status."""
+    pytest.importorskip("triton")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", _INTERPRETER_PRELUDE + textwrap.dedent(script)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_captured_step(model, prompts, steps: int = 12) -> None:
+    """model.step captured in a CUDA graph (replay fp32 folding every 4 tokens, a pad row) and
+    replayed, against the same steps run eagerly on a second cache: identical logits across
+    folds. ``prompts``: three int64 prompts on the GPU."""
+    from replayssm.models import ServingCache
+
+    caches = [ServingCache(model, 4, 128, "replay-fp32:4") for _ in range(2)]
+    for c in caches:
+        for p in prompts:
+            model.prefill(c, c.allocate(), p)
+    ids = torch.tensor([0, -1, 1, 2], dtype=torch.int32, device="cuda")
+    static = torch.tensor([3, 3, 4, 5], device="cuda")
+    eager_cache, graph_cache = caches
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (one step on each cache)
+        for c in caches:
+            model.step(c, ids, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = model.step(graph_cache, ids, static)
+    tokens = static.clone()
+    for _ in range(steps):
+        static.copy_(tokens)
+        graph.replay()
+        ref = model.step(eager_cache, ids, tokens)
+        assert torch.equal(static_out[[0, 2, 3]], ref[[0, 2, 3]])
+        tokens = ref.argmax(-1)
+
+
+def check_rows_independent(model, prompts, device, steps: int = 12) -> None:
+    """Row 0 (slot 0) beside different sequences and pad rows, in two caches, the second
+    joined by a sequence after 5 steps (staggered start): bit-identical logits at every step,
+    across folds (buffer length 4). ``prompts``: four int64 prompts on ``device``."""
+    from replayssm.models import ServingCache
+
+    runs = []
+    for others, layout, late in (((1, 2), (0, 1, -1, 2), False), ((3,), (0, -1, 1, -1), True)):
+        cache = ServingCache(model, 4, 128, "replay-fp32:4")
+        slots = [cache.allocate() for _ in range(1 + len(others))]
+        last = [model.prefill(cache, s, prompts[i])[-1] for s, i in zip(slots, (0, *others))]
+        ids = torch.tensor([slots[i] if i >= 0 else -1 for i in layout], dtype=torch.int32,
+                           device=device)
+        tokens = torch.stack([last[i].argmax() if i >= 0 else torch.tensor(5, device=device)
+                              for i in layout])
+        row0 = []
+        for step in range(steps):
+            if step == 5 and late:  # a new sequence takes the pad row at index 3
+                s = cache.allocate()
+                tokens[3] = model.prefill(cache, s, prompts[2])[-1].argmax()
+                ids[3] = s
+            out = model.step(cache, ids, tokens)
+            row0.append(out[0])
+            tokens = out.argmax(-1)
+        runs.append(torch.stack(row0))
+    assert torch.equal(runs[0], runs[1])

@@ -1,9 +1,6 @@
 """decode_attention: the PyTorch reference against a naive float64 loop, its refusals, and the
 Triton kernel against the reference (on the GPU; on the CPU through Triton's interpreter)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -13,6 +10,8 @@ torch = pytest.importorskip("torch")
 
 from replayssm.models import attention  # noqa: E402
 from replayssm.models.attention import decode_attention, decode_attention_reference  # noqa: E402
+
+import models_util as mu  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -131,16 +130,7 @@ def test_split_count_depends_on_shapes_only():
 # switched on before triton is imported, hence a subprocess.
 
 _INTERPRETER_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    from triton.runtime import interpreter
-    # Triton 3.6's interpreter turns loop bounds into ints with int(array of shape (1,)), which
-    # NumPy 2 refuses; read the element instead.
-    _patch = interpreter._patch_lang_tensor
-    def _patched(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interpreter._patch_lang_tensor = _patched
-    sys.path.insert(0, {tests!r})
+    import sys
     from test_attention import make_case
     from replayssm.models.attention import decode_attention, decode_attention_reference
     worst = 0.0
@@ -163,11 +153,7 @@ def test_triton_kernel_in_interpreter():
              ((2, 3, 8, 2, 64, 300, [0, 290]), "float32", 1e-5),
              ((3, 2, 4, 4, 80, 64, [0, 30, 62]), "float32", 1e-5),
              ((1, 4, 16, 4, 128, 700, [600]), "float16", 2e-3)]
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT.format(tests=tests, cases=cases)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = mu.run_in_triton_interpreter(_INTERPRETER_SCRIPT.format(cases=cases), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

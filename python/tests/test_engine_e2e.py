@@ -183,6 +183,12 @@ def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
         assert set(shares) == {"ssm", "attention", "gemm", "other"}
         assert abs(sum(shares.values()) - 1) < 1e-6
         assert shares["ssm"] > 0 and shares["gemm"] > 0
+        top = r["top_kernels"]
+        assert 0 < len(top) <= bench_e2e.TOP_KERNELS
+        assert all(k["calls_per_step"] > 0 and k["us_per_step"] >= 0 for k in top)
+        assert [k["us_per_step"] for k in top] == sorted((k["us_per_step"] for k in top),
+                                                         reverse=True)
+        assert sum(k["us_per_step"] for k in top) <= r["profiled_ms_per_step"] * 1e3 * (1 + 1e-6)
         if r["mode"] != "eager-fp32":
             assert r["speedup_vs_eager_fp32"] == pytest.approx(
                 next(e["ms_per_step"] for e in runs if e["mode"] == "eager-fp32"
@@ -192,6 +198,15 @@ def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
     png = tmp_path / "bench.png"
     assert bench_e2e.main(["--plot", str(out), "--out", str(png)]) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_bench_profiles_the_largest_batch_by_default():
+    from replayssm import bench_e2e
+
+    args = bench_e2e.parse_args(["--batches", "1", "16", "4"])
+    assert args.profile_batches == [16] and args.profile_starts == ["staggered"]
+    args = bench_e2e.parse_args(["--batches", "1", "16", "--profile-all"])
+    assert args.profile_batches == [1, 16] and args.profile_starts == list(bench_e2e.STARTS)
 
 
 @pytest.mark.parametrize("name, cls", [
@@ -215,3 +230,30 @@ def test_kernels_are_classed_by_name(name, cls):
     from replayssm import bench_e2e
 
     assert bench_e2e.kernel_class(name) == cls
+
+
+@pytest.mark.parametrize("mode", ["eager-fp32", "eager-bf16", "replay-fp32+bf16:4",
+                                  "replay-fp32+fp8:4", "replay-bf16:4"])
+def test_bench_fills_ssm_state_as_load_state_per_slot_does(model, mode):
+    """The benchmark's bulk fill leaves every buffer byte of every slot as one load_state per
+    slot and layer would (both fresh caches, the same states)."""
+    import replayssm
+    from replayssm import bench_e2e
+
+    caches = [ServingCache(model, capacity=5, max_seq_len=8, mode=mode) for _ in range(2)]
+    slots = [[c.allocate() for _ in range(4)] for c in caches]
+    bench_e2e.fill_ssm_state(caches[0].ssm, slots[0], torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(7)
+    ssm = caches[1].ssm
+    states = [0.1 * torch.randn(ssm.config.state_shape, generator=gen)
+              for _ in range(ssm.config.num_layers)]
+    for layer, state in enumerate(states):
+        for slot in slots[1]:
+            ssm.load_state(layer, slot, state)
+    for spec in replayssm.cache_buffers(ssm.config):
+        a, b = (c.ssm.buffers[spec.name].view(torch.uint8) for c in caches)
+        assert torch.equal(a, b), spec.name
+    for layer, state in enumerate(states):
+        for slot in slots[0]:
+            torch.testing.assert_close(caches[0].ssm.export_state(layer, slot), state,
+                                       atol=0.02, rtol=0.02)

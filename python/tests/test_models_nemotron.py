@@ -206,26 +206,9 @@ def test_windows_past_max_spec_tokens_and_bad_input_leave_the_cache_untouched():
 
 @pytest.mark.parametrize("where", mu.DEVICES)
 def test_a_rows_logits_do_not_depend_on_the_other_rows(where):
-    """Row 0 (slot 0) beside different sequences and pad rows, in two caches: bit-identical
-    logits at every step, across folds (buffer length 4)."""
+    """Row 0 beside other sequences, pad rows and a late joiner: mu.check_rows_independent."""
     device, dtype = where
-    model = tiny_model(device, dtype)
-    ps = prompts(device, lengths=(9, 14, 3, 17), seed=8)
-    runs = []
-    for others, layout in (((1, 2), (0, 1, -1, 2)), ((3,), (0, -1, 1, -1))):
-        cache = ServingCache(model, 4, 128, "replay-fp32:4")
-        slots = [cache.allocate() for _ in range(1 + len(others))]
-        last = [model.prefill(cache, s, ps[i])[-1] for s, i in zip(slots, (0, *others))]
-        ids = int32([slots[i] if i >= 0 else -1 for i in layout], device)
-        tokens = torch.stack([last[i].argmax() if i >= 0 else torch.tensor(5, device=device)
-                              for i in layout])
-        row0 = []
-        for _ in range(12):
-            out = model.step(cache, ids, tokens)
-            row0.append(out[0])
-            tokens = out.argmax(-1)
-        runs.append(torch.stack(row0))
-    assert torch.equal(runs[0], runs[1])
+    mu.check_rows_independent(tiny_model(device, dtype), prompts(device, lengths=(9, 14, 3, 17), seed=8), device)
 
 
 @pytest.mark.cuda
@@ -234,30 +217,7 @@ def test_a_captured_step_equals_eager_steps():
     """model.step captured in a CUDA graph (bf16, replay fp32, a pad row) and replayed, against
     the same steps run eagerly on a second cache: identical logits across folds."""
     model = tiny_model("cuda", torch.bfloat16)
-    caches = [ServingCache(model, 4, 128, "replay-fp32:4") for _ in range(2)]
-    ps = prompts("cuda")
-    for c in caches:
-        for p in ps:
-            model.prefill(c, c.allocate(), p)
-    ids = int32([0, -1, 1, 2], "cuda")
-    static = torch.tensor([3, 3, 4, 5], device="cuda")
-    eager_cache, graph_cache = caches
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture (one step on each cache)
-        for c in caches:
-            model.step(c, ids, static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = model.step(graph_cache, ids, static)
-    tokens = static.clone()
-    for _ in range(12):
-        static.copy_(tokens)
-        graph.replay()
-        ref = model.step(eager_cache, ids, tokens)
-        assert torch.equal(static_out[[0, 2, 3]], ref[[0, 2, 3]])
-        tokens = ref.argmax(-1)
+    mu.check_captured_step(model, prompts("cuda"))
 
 
 # ---- loading ----------------------------------------------------------------------------------

@@ -33,8 +33,11 @@ import torch.nn.functional as F
 import replayssm
 import replayssm.torch as rt
 
+from . import fused
+from .loader import check_tensors, read_config, read_tensors
+
 __all__ = ["CacheLayout", "DecodeContext", "HybridModel", "ServingCache", "StateMode",
-           "causal_attention", "reference_decode_attention"]
+           "causal_attention", "reference_decode_attention", "weight_constant"]
 
 _EAGER_PRECISIONS = ("fp32", "bf16")
 _REPLAY_PRECISIONS = ("fp32", "bf16", "fp32+bf16", "fp32+fp8")
@@ -260,20 +263,21 @@ class ServingCache:
         return _activate(out, activation).t().to(x.dtype)
 
     def conv_decode(self, layer: int, ctx: DecodeContext, x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
+                    bias: torch.Tensor | None, activation: str | None = "silu",
+                    splits: "list[int] | None" = None) -> "torch.Tensor | list[torch.Tensor]":
         """The causal conv1d of a decode window ``x`` [B, T, C] over each row's ring (written
-        here, committed by ``lengths``). Returns [B, T, C] in x's dtype."""
+        here, committed by ``lengths``). Returns [B, T, C] in x's dtype, or with ``splits``
+        (channel counts summing to C) one contiguous [B, T, s] tensor per split, as the SSM ops
+        take them. On CUDA one fused kernel (fused.conv_decode) does it all."""
         B, T, C = x.shape
-        K = weight.shape[-1]
         flat = self.conv[layer].view(-1, C)
-        flat.index_copy_(0, ctx.conv_write, x.reshape(B * T, C).to(flat.dtype))
-        window = flat.index_select(0, ctx.conv_read).view(B, K - 1 + T, C).to(weight.dtype)
-        out = window[:, 0:T] * weight[:, 0]
-        for k in range(1, K):
-            out = out + window[:, k:k + T] * weight[:, k]
-        if bias is not None:
-            out = out + bias
-        return _activate(out, activation).to(x.dtype)
+        if fused.available(x) and x.stride(-1) == 1:
+            outs = fused.conv_decode(x, flat, ctx.conv_write, ctx.conv_read, weight, bias,
+                                     activation, [C] if splits is None else splits)
+            return outs[0] if splits is None else outs
+        out = conv_decode_reference(x, flat, ctx.conv_write, ctx.conv_read, weight, bias,
+                                    activation)
+        return out if splits is None else [t.contiguous() for t in out.split(splits, -1)]
 
     # ---- attention ----------------------------------------------------------------------------
 
@@ -294,6 +298,36 @@ class ServingCache:
         """Attention of a window's queries q [B, T, Hq, head_dim] (after kv_decode) over each
         row's keys [0, lengths + t]: the engine's decode_attention where present."""
         return _decode_attention()(q, self.k[layer], self.v[layer], ctx.rows32, ctx.lengths, scale)
+
+
+def weight_constant(module: torch.nn.Module, name: str, fn: Any, *params: torch.Tensor) -> Any:
+    """``fn(*params)`` (e.g. Mamba-2's -exp(A_log) in float32), computed once and kept on
+    ``module`` until one of ``params`` changes (another tensor, or an in-place write: its
+    version counter), so a decode step does not recompute per-weight constants every token. A
+    CUDA graph captured before a weight changes keeps the old constant: capture after loading."""
+    stamp = tuple((p.data_ptr(), p._version) for p in params)
+    kept = module.__dict__.setdefault("_weight_constants", {})
+    if name not in kept or kept[name][0] != stamp:
+        with torch.no_grad():
+            kept[name] = (stamp, fn(*params))
+    return kept[name][1]
+
+
+def conv_decode_reference(x: torch.Tensor, ring: torch.Tensor, conv_write: torch.Tensor,
+                          conv_read: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str | None) -> torch.Tensor:
+    """A decode window's causal conv1d in plain torch ops (the CPU path, and the fused kernel's
+    reference; arguments as :func:`fused.conv_decode`'s). Returns [B, T, C] in x's dtype."""
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    ring.index_copy_(0, conv_write, x.reshape(B * T, C).to(ring.dtype))
+    window = ring.index_select(0, conv_read).view(B, K - 1 + T, C).to(weight.dtype)
+    out = window[:, 0:T] * weight[:, 0]
+    for k in range(1, K):
+        out = out + window[:, k:k + T] * weight[:, k]
+    if bias is not None:
+        out = out + bias
+    return _activate(out, activation).to(x.dtype)
 
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -343,10 +377,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class HybridModel(torch.nn.Module, abc.ABC):
     """A hybrid decoder (SSM mixers, attention, MLP) served from a :class:`ServingCache`.
 
-    Families implement ``cache_layout``, ``prefill``, ``decode``, ``random`` and
-    ``from_pretrained``; ``commit`` and ``step`` are shared. ``decode`` and ``step`` do no host
-    sync and have no data-dependent shapes, so an engine can capture them in a CUDA graph.
+    Families implement ``cache_layout``, ``prefill``, ``decode_logits``, ``random`` and
+    ``input_embeddings``, and set ``config_class`` (a config with ``from_hf`` and
+    ``tie_word_embeddings``) and ``ignored_tensors``; ``decode``, ``commit``, ``step``,
+    ``step_argmax``, ``from_pretrained`` and ``from_tensors`` are shared. None of the decode
+    methods does a host sync or has data-dependent shapes, so an engine can capture them in a
+    CUDA graph. A family's module has ``config`` and ``lm_head`` attributes.
     """
+
+    config_class: Any
+    #: Checkpoint tensor name prefixes the model does not use (skipped, not refused).
+    ignored_tensors: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def input_embeddings(self) -> torch.nn.Embedding:
+        """The token embedding (which ``lm_head`` shares when the config ties them)."""
+
+    def _tie(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.input_embeddings().weight
+
+    @classmethod
+    def _config(cls, config: Any) -> Any:
+        """``config`` itself, or the family's config read from a config.json dict."""
+        return cls.config_class.from_hf(config) if isinstance(config, dict) else config
+
+    @classmethod
+    def _empty(cls, config: Any, device: Any, dtype: torch.dtype) -> "HybridModel":
+        """Uninitialised weights on ``device`` in ``dtype`` (built on the meta device: a 4B
+        layout never passes through host memory), ready for inference."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to(dtype).to_empty(device=device)
+        model._tie()  # to_empty makes new parameters: tie them again
+        return model.eval().requires_grad_(False)
+
+    @classmethod
+    def _checkpoint_names(cls, names: list[str], tensors: dict[str, torch.Tensor]
+                          ) -> dict[str, str]:
+        """Each of the model's tensor names -> its name in ``tensors`` (a checkpoint's own
+        naming); the same names by default."""
+        return {n: n for n in names}
 
     @abc.abstractmethod
     def cache_layout(self) -> CacheLayout:
@@ -359,11 +430,16 @@ class HybridModel(torch.nn.Module, abc.ABC):
         returns the logits [n, vocab] (float32)."""
 
     @abc.abstractmethod
+    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
+                      tokens: torch.Tensor) -> torch.Tensor:
+        """``decode``'s logits in the LM head's dtype (no float32 copy of [B, T, vocab])."""
+
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:
         """A window of ``tokens`` (int64 [B, T]) for the rows ``slot_ids`` (int32 [B], -1 = pad
         row), token t at position ``lengths[slot] + t``; commits nothing. Returns the logits
         [B, T, vocab] (float32)."""
+        return self.decode_logits(cache, slot_ids, tokens).float()
 
     def commit(self, cache: ServingCache, slot_ids: torch.Tensor,
                accepted: torch.Tensor) -> None:
@@ -381,6 +457,15 @@ class HybridModel(torch.nn.Module, abc.ABC):
         self.commit(cache, slot_ids, torch.ones_like(slot_ids))
         return logits[:, 0]
 
+    def step_argmax(self, cache: ServingCache, slot_ids: torch.Tensor,
+                    tokens: torch.Tensor) -> torch.Tensor:
+        """``step``'s greedy tokens, ``step(...).argmax(-1)`` (int64 [B]), without float32
+        logits: widening to float32 is exact, so the argmax of the LM head's own output is the
+        same index (a [B, vocab] fp32 write and read saved per step)."""
+        logits = self.decode_logits(cache, slot_ids, tokens[:, None])
+        self.commit(cache, slot_ids, torch.ones_like(slot_ids))
+        return logits[:, 0].argmax(-1)
+
     @classmethod
     @abc.abstractmethod
     def random(cls, config: Any, seed: int = 0, device: Any = "cpu",
@@ -388,7 +473,29 @@ class HybridModel(torch.nn.Module, abc.ABC):
         """A model of ``config`` with seeded random weights."""
 
     @classmethod
-    @abc.abstractmethod
     def from_pretrained(cls, path: Any, device: Any = "cpu",
                         dtype: torch.dtype = torch.float32) -> "HybridModel":
-        """A model from a Hugging Face model directory (config.json + safetensors)."""
+        """A model from a Hugging Face model directory (config.json + safetensors, sharded or
+        not)."""
+        config = cls.config_class.from_hf(read_config(path))
+        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
+
+    @classmethod
+    def from_tensors(cls, config: Any, tensors: dict[str, torch.Tensor], device: Any = "cpu",
+                     dtype: torch.dtype = torch.float32) -> "HybridModel":
+        """A model over ``tensors`` (named as the family's checkpoints name them); refuses a
+        missing, mis-shaped or unknown tensor by its name in ``tensors`` before building
+        anything. A tied ``lm_head.weight`` may be present or not."""
+        with torch.device("meta"):
+            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
+        ignored = list(cls.ignored_tensors)
+        if config.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+            ignored.append("lm_head.weight")
+        file_name = cls._checkpoint_names(list(expected), tensors)
+        check_tensors({file_name[k]: s for k, s in expected.items()}, tensors, ignored)
+        model = cls._empty(config, device, dtype)
+        params = dict(model.named_parameters())
+        for name in expected:
+            params[name].copy_(tensors[file_name[name]])
+        return model

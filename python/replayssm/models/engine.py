@@ -10,8 +10,8 @@ and finish at different steps, each in its own slot of a :class:`~replayssm.mode
 A step admits waiting requests while slots are free (each prompt prefilled alone, eagerly: its
 first new token is the argmax of the prompt's last logits), then decodes one token for every
 active request at once: the active rows padded to a batch bucket (1, 2, 4, ..., 512 by default)
-with pad rows (slot -1), ``model.step`` and a greedy argmax on the device. On CUDA each bucket's
-step is a CUDA graph, captured on its first use; on the CPU, plain calls.
+with pad rows (slot -1), ``model.step_argmax`` (the greedy token) on the device. On CUDA each
+bucket's step is a CUDA graph, captured on its first use; on the CPU, plain calls.
 
 Tokens stay on the device. The engine keeps every slot's token stream in ``history`` (int64
 [capacity + 1, max_seq_len], the token at position p of a slot at ``history[slot, p]``): a step
@@ -96,9 +96,9 @@ class StepRunner:
         cache, history = self.cache, self.history
         rows = cache.rows(self.slot_ids)
         position = cache.lengths[rows].long()
-        logits = self.model.step(cache, self.slot_ids, history[rows, position])
+        tokens = self.model.step_argmax(cache, self.slot_ids, history[rows, position])
         # Pad rows read and write the scratch row, whose length stays 0.
-        history[rows, (position + 1).clamp_(max=history.shape[1] - 1)] = logits.argmax(-1)
+        history[rows, (position + 1).clamp_(max=history.shape[1] - 1)] = tokens
 
     def capture(self) -> None:
         """Captures the step (CUDA): warm-up calls on pad rows only (a side stream, as capture

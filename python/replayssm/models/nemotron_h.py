@@ -34,8 +34,9 @@ from torch import nn
 
 import replayssm
 
-from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
-from .loader import check_tensors, read_config, read_tensors
+from . import fused
+from .base import (CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention,
+                   weight_constant)
 
 __all__ = ["NemotronHConfig", "NemotronHModel", "ssd_chunk_scan"]
 
@@ -234,7 +235,16 @@ class _RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def add(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): one launch on the fused path."""
+        if fused.available(h) and h.dtype == delta.dtype == self.weight.dtype:
+            return fused.add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if fused.available(h):
+            return fused.rms_norm(h, self.weight, self.eps)
         dtype = h.dtype
         h = h.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -250,6 +260,9 @@ class _GatedRMSNorm(_RMSNorm):
         self.group_size = group_size
 
     def forward(self, h: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if fused.available(h):
+            return fused.rms_norm(h, self.weight, self.eps, group_size=self.group_size, gate=gate,
+                                  gate_at=None if gate is None else "before")
         dtype = h.dtype
         h = h.float()
         if gate is not None:
@@ -281,11 +294,17 @@ class _Mamba2Mixer(nn.Module):
     def _conv_args(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.conv1d.weight[:, 0], self.conv1d.bias
 
-    def _xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _xbc_splits(self) -> list[int]:
         c = self.cfg
         GN = c.n_groups * c.ssm_state_size
-        x, B, C = xbc.split([c.mamba_intermediate, GN, GN], -1)
-        lead = xbc.shape[:-1]
+        return [c.mamba_intermediate, GN, GN]
+
+    def _xbc(self, xbc: "torch.Tensor | list[torch.Tensor]"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x, B, C (heads split) of the conv's output, whole or split already."""
+        c = self.cfg
+        x, B, C = xbc.split(self._xbc_splits(), -1) if isinstance(xbc, torch.Tensor) else xbc
+        lead = x.shape[:-1]
         return (x.reshape(*lead, c.mamba_num_heads, c.mamba_head_dim),
                 B.reshape(*lead, c.n_groups, c.ssm_state_size),
                 C.reshape(*lead, c.n_groups, c.ssm_state_size))
@@ -307,13 +326,17 @@ class _Mamba2Mixer(nn.Module):
                h: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         z, xbc, dt = self._split(h)
-        xbc = cache.conv_decode(layer, ctx, xbc, *self._conv_args())
-        x, B, C = self._xbc(xbc)
+        # Split by the conv itself: x, B and C come out contiguous (no copies for the op).
+        x, B, C = self._xbc(cache.conv_decode(layer, ctx, xbc, *self._conv_args(),
+                                              splits=self._xbc_splits()))
         Bsz, T = h.shape[:2]
+        A, D, dt_bias = weight_constant(
+            self, "decode", lambda A_log, D, dt_bias: (-torch.exp(A_log.float()),
+                                                       D.float().contiguous(),
+                                                       dt_bias.float().contiguous()),
+            self.A_log, self.D, self.dt_bias)
         y = replayssm.mamba2_decode(
-            cache.ssm, layer, ctx.slot_ids, x.contiguous(), dt.float().contiguous(),
-            B.contiguous(), C.contiguous(), -torch.exp(self.A_log.float()),
-            self.D.float().contiguous(), self.dt_bias.float().contiguous(),
+            cache.ssm, layer, ctx.slot_ids, x, dt.float().contiguous(), B, C, A, D, dt_bias,
             z=z.reshape(Bsz, T, c.mamba_num_heads, c.mamba_head_dim).contiguous())
         return self.out_proj(self.norm(y.flatten(-2)))
 
@@ -386,24 +409,20 @@ class NemotronHModel(HybridModel):
     ``model.embeddings``, ``model.layers.{i}.norm``, ``model.layers.{i}.mixer.*``,
     ``model.norm_f``, ``lm_head`` (hub checkpoints' ``backbone.`` prefix is read as ``model.``)."""
 
+    config_class = NemotronHConfig
+    ignored_tensors = ("mtp.",)  # multi-token-prediction heads, which transformers skips too
+
     def __init__(self, config: NemotronHConfig) -> None:
         super().__init__()
         self.config = config
         self.model = _Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embeddings.weight
+        self._tie()
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
 
     # ---- construction -------------------------------------------------------------------------
-
-    @classmethod
-    def _empty(cls, config: NemotronHConfig, device: Any, dtype: torch.dtype) -> "NemotronHModel":
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embeddings.weight
-        return model.eval().requires_grad_(False)
 
     @classmethod
     def random(cls, config: "NemotronHConfig | dict", seed: int = 0, device: Any = "cpu",
@@ -412,8 +431,7 @@ class NemotronHModel(HybridModel):
         embeddings N(0, 1), norms 1 + N(0, 0.1^2), A_log = log(1..H), D near 1, dt_bias the
         inverse softplus of dt log-uniform in [time_step_min, time_step_max] (transformers'
         Mamba-2 initialisation)."""
-        if isinstance(config, dict):
-            config = NemotronHConfig.from_hf(config)
+        config = cls._config(config)
         model = cls._empty(config, device, dtype)
         gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
 
@@ -450,33 +468,12 @@ class NemotronHModel(HybridModel):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: Any, device: Any = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "NemotronHModel":
-        """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
-        config = NemotronHConfig.from_hf(read_config(path))
-        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
-
-    @classmethod
-    def from_tensors(cls, config: NemotronHConfig, tensors: dict[str, torch.Tensor],
-                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "NemotronHModel":
-        """A model over ``tensors`` (transformers' or the hub's names); refuses a missing,
-        mis-shaped or unknown tensor by name before building anything."""
-        with torch.device("meta"):
-            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
-        ignored = ["mtp."]  # multi-token-prediction heads, which transformers skips too
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight")
-            ignored.append("lm_head.weight")
-        # Checked under the checkpoint's own names, so that an error names what its files hold.
+    def _checkpoint_names(cls, names: list[str], tensors: dict[str, torch.Tensor]
+                          ) -> dict[str, str]:
+        """The hub's checkpoints name the backbone ``backbone.*`` (transformers: ``model.*``)."""
         hub = any(k.startswith(_HUB_PREFIX) for k in tensors)
-        file_name = {k: (_HUB_PREFIX + k[len("model."):] if hub and k.startswith("model.") else k)
-                     for k in expected}
-        check_tensors({file_name[k]: s for k, s in expected.items()}, tensors, ignored)
-        model = cls._empty(config, device, dtype)
-        params = dict(model.named_parameters())
-        for name in expected:
-            params[name].copy_(tensors[file_name[name]])
-        return model
+        return {k: (_HUB_PREFIX + k[len("model."):] if hub and k.startswith("model.") else k)
+                for k in names}
 
     # ---- serving ------------------------------------------------------------------------------
 
@@ -494,10 +491,15 @@ class NemotronHModel(HybridModel):
     def _stack(self, h: torch.Tensor, mixer: Any) -> torch.Tensor:
         """The blocks over embeddings ``h``, the SSM and attention mixers run by
         ``mixer(block, x)`` (prefill or decode), then the final norm and the LM head."""
+        h = h.to(self.model.norm_f.weight.dtype)
+        delta = None  # each block's update, added to h by the next norm (one fused launch)
         for block in self.model.layers:
-            x = block.norm(h.to(block.norm.weight.dtype))
-            h = h + (block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x))
-        return self.lm_head(self.model.norm_f(h)).float()
+            if delta is None:
+                x = block.norm(h)
+            else:
+                h, x = block.norm.add(h, delta)
+            delta = block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x)
+        return self.lm_head(self.model.norm_f.add(h, delta)[1])
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
@@ -505,11 +507,11 @@ class NemotronHModel(HybridModel):
         logits = self._stack(self.model.embeddings(tokens.to(cache.device)),
                              lambda block, x: block.mixer.prefill(cache, block.index, slot, x))
         cache.lengths[slot] = tokens.numel()
-        return logits
+        return logits.float()
 
     @torch.no_grad()
-    def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
-               tokens: torch.Tensor) -> torch.Tensor:
+    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
+                      tokens: torch.Tensor) -> torch.Tensor:
         ctx = cache.decode_context(slot_ids, tokens)
         return self._stack(self.model.embeddings(tokens),
                            lambda block, x: block.mixer.decode(cache, block.index, ctx, x))

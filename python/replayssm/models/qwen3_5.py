@@ -42,11 +42,14 @@ from torch import nn
 
 import replayssm
 
+from . import fused
 from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
 
 __all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
 
 LINEAR, FULL = "linear_attention", "full_attention"
+#: Where a published Qwen3.5 checkpoint (the multimodal model) keeps the text decoder.
+_TOWER_PREFIX = "model.language_model."
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": FULL}
 
 
@@ -292,7 +295,16 @@ class _RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def add(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): one launch on the fused path."""
+        if fused.available(h) and h.dtype == delta.dtype:
+            return fused.add_rms_norm(h, delta, self.weight, self.eps, one_plus=True)
+        h = h + delta
+        return h, self(h)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.available(x):
+            return fused.rms_norm(x, self.weight, self.eps, one_plus=True)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
@@ -308,6 +320,8 @@ class _GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if fused.available(o):
+            return fused.rms_norm(o, self.weight, self.eps, gate=z, gate_at="after")
         y = o.float()
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
         return (self.weight * y * F.silu(z.float())).to(o.dtype)
@@ -347,15 +361,21 @@ class _GatedDeltaNet(nn.Module):
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g, beta) in fp32 [..., num_v_heads]: g = -exp(A_log) softplus(a + dt_bias) taken in
         fp32, beta = sigmoid(b) in the activations' dtype (as transformers rounds them)."""
+        if fused.available(x):
+            return fused.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         a = self.in_proj_a(x).float()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         return g, torch.sigmoid(self.in_proj_b(x)).float()
 
-    def split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv outputs [..., conv_dim] -> q, k [..., Hk, K], v [..., Hv, V]."""
+    def splits(self) -> list[int]:
+        return [self.c.key_dim, self.c.key_dim, self.c.value_dim]
+
+    def split(self, mixed: "torch.Tensor | list[torch.Tensor]"
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [..., conv_dim] (or split already) -> q, k [..., Hk, K], v [..., Hv, V]."""
         c = self.c
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        lead = mixed.shape[:-1]
+        q, k, v = mixed.split(self.splits(), dim=-1) if isinstance(mixed, torch.Tensor) else mixed
+        lead = q.shape[:-1]
         return (q.reshape(*lead, c.linear_num_key_heads, c.linear_key_head_dim),
                 k.reshape(*lead, c.linear_num_key_heads, c.linear_key_head_dim),
                 v.reshape(*lead, c.linear_num_value_heads, c.linear_value_head_dim))
@@ -386,8 +406,9 @@ class _GatedDeltaNet(nn.Module):
                rope: Any) -> torch.Tensor:
         """A window x [B, T, hidden] through gdn_decode (q and k normalised and q scaled by
         the op, as the prefill scan does)."""
-        mixed = cache.conv_decode(layer, ctx, self.in_proj_qkv(x), *self._conv_args())
-        q, k, v = (t.contiguous() for t in self.split(mixed))
+        # Split by the conv itself: q, k and v come out contiguous (no copies for the op).
+        q, k, v = self.split(cache.conv_decode(layer, ctx, self.in_proj_qkv(x),
+                                               *self._conv_args(), splits=self.splits()))
         g, beta = self.gates(x)
         o = replayssm.gdn_decode(cache.ssm, layer, ctx.slot_ids, q, k, v, g.contiguous(),
                                  beta.contiguous(), scale=self.c.linear_key_head_dim ** -0.5,
@@ -483,29 +504,23 @@ class Qwen35Model(HybridModel):
     a :class:`ServingCache`: GDN layers through the replayssm state cache, attention layers over
     its static KV cache."""
 
+    config_class = Qwen35Config
+    ignored_tensors = ("model.visual.", "mtp.")
+
     def __init__(self, config: Qwen35Config) -> None:
         super().__init__()
         self.config = config
         self.model = _TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._tie()
         # The SSM cache's layer index of each GDN layer, the KV cache's of each attention layer.
         self._cache_index = {i: n for n, i in enumerate(config.ssm_layers)}
         self._cache_index.update({i: n for n, i in enumerate(config.attention_layers)})
 
-    # ---- construction -----------------------------------------------------------------------
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
-    @classmethod
-    def _empty(cls, config: Qwen35Config, device: Any, dtype: torch.dtype) -> "Qwen35Model":
-        """Uninitialised weights on ``device`` (built on the meta device: a 4B layout never
-        passes through host memory)."""
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype).to_empty(device=device)
-        if config.tie_word_embeddings:  # to_empty makes new parameters: tie them again
-            model.lm_head.weight = model.model.embed_tokens.weight
-        return model.eval().requires_grad_(False)
+    # ---- construction -----------------------------------------------------------------------
 
     @classmethod
     def random(cls, config: Any, seed: int = 0, device: Any = "cpu",
@@ -515,8 +530,7 @@ class Qwen35Model(HybridModel):
         small model (weights N(0, 1 / fan_in), embeddings N(0, 1)); the parameters
         transformers initialises to constants are drawn around them (norm weights, dt_bias) so
         that a test sees each one used; A uniform in [0.01, 16] as transformers draws it."""
-        if isinstance(config, dict):
-            config = Qwen35Config.from_hf(config)
+        config = cls._config(config)
         model = cls._empty(config, device, dtype)
         gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
 
@@ -546,39 +560,14 @@ class Qwen35Model(HybridModel):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: Any, device: Any = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
-        from .loader import read_config, read_tensors
-
-        config = Qwen35Config.from_hf(read_config(path))
-        return cls.from_tensors(config, read_tensors(path), device=device, dtype=dtype)
-
-    @classmethod
-    def from_tensors(cls, config: Qwen35Config, tensors: dict[str, torch.Tensor],
-                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "Qwen35Model":
-        """A model over ``tensors`` by ``Qwen3_5ForCausalLM``'s names (``model.*``,
-        ``lm_head.weight``) or a published ``Qwen3_5ForConditionalGeneration``'s (the text
-        tower under ``model.language_model.*``; its vision tower and multi-token-prediction
-        head are skipped); refuses a missing, mis-shaped or unknown tensor by name before
-        building anything."""
-        from .loader import check_tensors
-
-        prefix = "model.language_model."
-        tensors = {("model." + k[len(prefix):] if k.startswith(prefix) else k): t
-                   for k, t in tensors.items()}
-        with torch.device("meta"):
-            expected = {k: p.shape for k, p in cls(config).state_dict().items()}
-        ignored = ["model.visual.", "mtp."]
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight")
-            ignored.append("lm_head.weight")
-        check_tensors(expected, tensors, ignored)
-        model = cls._empty(config, device, dtype)
-        params = dict(model.named_parameters())
-        for name in expected:
-            params[name].copy_(tensors[name])
-        return model
+    def _checkpoint_names(cls, names: list[str], tensors: dict[str, torch.Tensor]
+                          ) -> dict[str, str]:
+        """``Qwen3_5ForCausalLM``'s names (``model.*``, ``lm_head.weight``), or a published
+        ``Qwen3_5ForConditionalGeneration``'s: the text tower under ``model.language_model.*``
+        (its vision tower and multi-token-prediction head are skipped)."""
+        tower = any(k.startswith(_TOWER_PREFIX) for k in tensors)
+        return {k: (_TOWER_PREFIX + k[len("model."):] if tower and k.startswith("model.") else k)
+                for k in names}
 
     def cache_layout(self) -> CacheLayout:
         c = self.config
@@ -603,13 +592,20 @@ class Qwen35Model(HybridModel):
 
     def _stack(self, tokens: torch.Tensor, positions: torch.Tensor, mix) -> torch.Tensor:
         """Embedding, the decoder layers (``mix(mixer, cache_layer, x, rope)`` runs a layer's
-        GDN or attention, prefill or decode), final norm and LM head; fp32 logits."""
+        GDN or attention, prefill or decode), final norm and LM head; logits in the weights'
+        dtype."""
         h = self.model.embed_tokens(tokens)
         rope = self._rope(positions, h.dtype)
+        delta = None  # each update is added to h by the next norm (one fused launch)
         for i, layer in enumerate(self.model.layers):
-            h = h + mix(layer.mixer, self._cache_index[i], layer.input_layernorm(h), rope)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.model.norm(h)).float()
+            if delta is None:
+                x = layer.input_layernorm(h)
+            else:
+                h, x = layer.input_layernorm.add(h, delta)
+            delta = mix(layer.mixer, self._cache_index[i], x, rope)
+            h, x = layer.post_attention_layernorm.add(h, delta)
+            delta = layer.mlp(x)
+        return self.lm_head(self.model.norm.add(h, delta)[1])
 
     @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
@@ -619,11 +615,11 @@ class Qwen35Model(HybridModel):
         logits = self._stack(tokens, positions,
                              lambda m, layer, x, rope: m.prefill(cache, layer, slot, x, rope))
         cache.lengths[slot] = tokens.numel()
-        return logits
+        return logits.float()
 
     @torch.no_grad()
-    def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
-               tokens: torch.Tensor) -> torch.Tensor:
+    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
+                      tokens: torch.Tensor) -> torch.Tensor:
         ctx = cache.decode_context(slot_ids, tokens)
         return self._stack(tokens, ctx.positions,
                            lambda m, layer, x, rope: m.decode(cache, layer, ctx, x, rope))

@@ -1,0 +1,251 @@
+"""Fused Triton kernels for the decode step's small operations: one launch where the plain-torch
+path (the CPU path and the reference, in base.py and the families) runs several.
+
+- :func:`conv_decode`: a decode window's causal conv1d: writes the window's inputs into each
+  row's conv ring, convolves the ring rows before the window and the window itself, applies the
+  activation and writes the result split into contiguous tensors (e.g. Mamba-2's x, B, C or the
+  GDN's q, k, v), as the SSM ops take them. The torch path runs an index_copy, an index_select,
+  2K - 1 multiplies and adds, the bias, the activation and one copy per split.
+- :func:`rms_norm`: RMSNorm over groups of a row, with the rounding orders the families use and
+  an optional SiLU gate before or after the norm: one launch against the torch path's six to
+  nine; :func:`add_rms_norm` adds the residual stream's update in the same launch.
+- :func:`gdn_gates`: the Gated DeltaNet's g and beta from its a and b projections: one launch
+  against nine.
+
+Rounding. Each kernel rounds where the torch path rounds: the conv accumulates in the weight's
+dtype with a rounding after every multiply and add, as the torch path's bf16 arithmetic does;
+the norms round the normalised row (and the weight product) where the families do. What
+differs is the order of the mean's sum and the exp of SiLU: results equal the torch path up to
+one rounding of the output's dtype, not bit for bit.
+
+:func:`available` says whether a tensor takes the fused path (a CUDA tensor and the triton
+package, and not switched off with ``REPLAYSSM_FUSED=0``). The tests run the kernels on the CPU
+through Triton's interpreter and on the GPU against the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path serves every call
+    triton = None
+
+__all__ = ["add_rms_norm", "available", "conv_decode", "gdn_gates", "rms_norm"]
+
+_ENABLED = os.environ.get("REPLAYSSM_FUSED", "1") != "0"
+_CONV_BLOCK = 256
+_GATE = {None: 0, "before": 1, "after": 2}
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether ``t``'s operations take the fused kernels (CUDA tensor, triton present, not
+    switched off). Under Triton's interpreter (``TRITON_INTERPRET=1``) CPU tensors do too."""
+    if triton is None or not _ENABLED:
+        return False
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def conv_decode(x: torch.Tensor, ring: torch.Tensor, conv_write: torch.Tensor,
+                conv_read: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                activation: str | None, splits: Sequence[int]) -> list[torch.Tensor]:
+    """The causal conv1d of a window ``x`` [B, T, C] (channels contiguous, other strides free):
+    ``ring`` [rows, C] (a layer's flat conv ring, contiguous) gets row ``conv_write[b * T + t]``
+    = x[b, t]; output t of row b convolves ring rows ``conv_read[b * (K - 1 + T) + j]``, j < K - 1,
+    then the window's own inputs, with ``weight`` [C, K] and ``bias`` [C]; ``activation`` "silu"
+    or None. Returns contiguous [B, T, s] tensors in x's dtype, one per ``splits`` (summing to
+    C; at most three)."""
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    if sum(splits) != C or not 1 <= len(splits) <= 3:
+        raise ValueError(f"conv_decode: splits {list(splits)} must be 1 to 3 sizes summing to {C}")
+    if x.stride(-1) != 1 or not ring.is_contiguous() or weight.stride(-1) != 1:
+        raise ValueError("conv_decode: x's channels, the ring and weight's taps must be contiguous")
+    if activation not in (None, "silu"):
+        raise ValueError(f"unsupported conv activation {activation!r}; choose 'silu' or None")
+    outs = [torch.empty(B, T, s, dtype=x.dtype, device=x.device) for s in splits]
+    ptrs = outs + [outs[0]] * (3 - len(outs))
+    ends = [sum(splits[:i + 1]) for i in range(len(splits))] + [C] * (3 - len(splits))
+    grid = (B, triton.cdiv(C, _CONV_BLOCK))
+    _conv_decode_kernel[grid](
+        x, ring, conv_write, conv_read, weight, weight if bias is None else bias,
+        ptrs[0], ptrs[1], ptrs[2], C, ends[0], ends[1],
+        x.stride(0), x.stride(1), weight.stride(0),
+        T=T, K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK=_CONV_BLOCK)
+    return outs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, group_size: int | None = None,
+             gate: torch.Tensor | None = None, gate_at: str | None = None,
+             one_plus: bool = False) -> torch.Tensor:
+    """RMSNorm of ``x`` [..., N] over groups of ``group_size`` channels (default N), in float32,
+    with ``weight`` [N] or [group_size]. Rounding as the families: ``one_plus`` (Qwen3.5's
+    norm): ``(y * (1 + w)).to(dtype)``, one rounding; otherwise ``w * y.to(dtype)`` in torch's
+    promoted dtype of the two (Nemotron-H's and the GDN output norm). ``gate`` [..., N]
+    (``gate_at`` "before": x * silu(gate) in fp32 before the norm, Nemotron-H's; "after": the
+    weighted result times silu(gate) in fp32, the GDN output norm's). Returns x's shape, in
+    x's dtype, except Nemotron-H's form (neither ``one_plus`` nor a gate after), which returns
+    the promoted dtype of x and the weight, as its torch path does."""
+    N = x.shape[-1]
+    G = N if group_size is None else group_size
+    if N % G or weight.numel() not in (N, G) or (gate is None) != (gate_at is None):
+        raise ValueError(f"rms_norm: {N} channels, groups of {G}, weight of {weight.numel()}, "
+                         f"gate {'given' if gate is not None else 'absent'} at {gate_at!r}")
+    # Rows may be strided (a slice of a projection's output); channels must be contiguous.
+    x2 = _rows(x, N)
+    g2 = x2 if gate is None else _rows(gate, N)
+    weight = weight.contiguous()
+    product = torch.promote_types(weight.dtype, x.dtype)
+    plain = not one_plus and gate_at != "after"
+    out = torch.empty(x2.shape, dtype=product if plain else x.dtype, device=x.device)
+    grid = (x2.shape[0], N // G)
+    _rms_norm_kernel[grid](
+        x2, g2, x2, x2, weight, out, x2.stride(0), g2.stride(0), x2.stride(0), float(eps),
+        G=G, W_PER_GROUP=weight.numel() == G and N != G, GATE=_GATE[gate_at],
+        ONE_PLUS=one_plus, ROUND_PRODUCT=product != torch.float32, HAS_RES=False,
+        BLOCK=triton.next_power_of_2(G))
+    return out.view(x.shape)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)): a residual stream's update and the next norm (over the
+    whole row, rounding as :func:`rms_norm`), the sum rounded to h's dtype first, as the torch
+    path's ``h = h + delta`` does. Both [..., N] in h's dtype."""
+    N = h.shape[-1]
+    h2, d2 = _rows(h, N), _rows(delta, N)
+    total = torch.empty(h2.shape, dtype=h.dtype, device=h.device)
+    out = torch.empty_like(total)
+    _rms_norm_kernel[(h2.shape[0], 1)](
+        h2, h2, d2, total, weight.contiguous(), out, h2.stride(0), h2.stride(0), d2.stride(0),
+        float(eps), G=N, W_PER_GROUP=False, GATE=0, ONE_PLUS=one_plus,
+        ROUND_PRODUCT=torch.promote_types(weight.dtype, h.dtype) != torch.float32, HAS_RES=True,
+        BLOCK=triton.next_power_of_2(N))
+    return total.view(h.shape), out.view(h.shape)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta), float32 like ``a`` [..., H]: g = -exp(A_log) * softplus(a + dt_bias) in fp32
+    (softplus linear above 20, as torch's), beta = sigmoid(b) rounded to b's dtype."""
+    H = a.shape[-1]
+    a2, b2 = _rows(a, H), _rows(b, H)
+    g = torch.empty(a2.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    _gdn_gates_kernel[(a2.shape[0],)](a2, b2, A_log.contiguous(), dt_bias.contiguous(), g, beta,
+                                      a2.stride(0), b2.stride(0), H,
+                                      BLOCK=triton.next_power_of_2(H))
+    return g.view(a.shape), beta.view(a.shape)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+if triton is not None:
+    @triton.jit
+    def _conv_decode_kernel(x_ptr, ring_ptr, write_ptr, read_ptr, w_ptr, bias_ptr,
+                            out0_ptr, out1_ptr, out2_ptr, C, end0, end1,
+                            stride_xb, stride_xt, stride_wc,
+                            T: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            SILU: tl.constexpr, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = c < C
+        wdt = w_ptr.dtype.element_ty
+        rdt = ring_ptr.dtype.element_ty
+        # The window's inputs, rounded to the ring's dtype (what the torch path reads back).
+        for t in tl.static_range(T):
+            v = tl.load(x_ptr + b * stride_xb + t * stride_xt + c, mask=live)
+            row = tl.load(write_ptr + b * T + t)
+            tl.store(ring_ptr + row * C + c, v.to(rdt), mask=live)
+        for t in tl.static_range(T):
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in tl.static_range(K):
+                j = t + k  # window index: the ring rows before the window, then the window
+                if j < K - 1:
+                    row = tl.load(read_ptr + b * (K - 1 + T) + j)
+                    v = tl.load(ring_ptr + row * C + c, mask=live).to(tl.float32)
+                else:
+                    v = tl.load(x_ptr + b * stride_xb + (j - (K - 1)) * stride_xt + c,
+                                mask=live).to(rdt).to(tl.float32)
+                w = tl.load(w_ptr + c * stride_wc + k, mask=live).to(tl.float32)
+                # Rounded to the weight's dtype after every operation, as the torch path.
+                term = (v.to(wdt).to(tl.float32) * w).to(wdt).to(tl.float32)
+                if k == 0:
+                    acc = term
+                else:
+                    acc = (acc + term).to(wdt).to(tl.float32)
+            if HAS_BIAS:
+                acc = (acc + tl.load(bias_ptr + c, mask=live).to(tl.float32)).to(wdt)
+                acc = acc.to(tl.float32)
+            if SILU:
+                acc = (acc / (1.0 + tl.exp(-acc))).to(wdt).to(tl.float32)
+            odt = out0_ptr.dtype.element_ty
+            r = b * T + t
+            tl.store(out0_ptr + r * end0 + c, acc.to(odt), mask=c < end0)
+            tl.store(out1_ptr + r * (end1 - end0) + (c - end0), acc.to(odt),
+                     mask=(c >= end0) & (c < end1))
+            tl.store(out2_ptr + r * (C - end1) + (c - end1), acc.to(odt),
+                     mask=(c >= end1) & live)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_g,
+                         stride_r, eps, G: tl.constexpr, W_PER_GROUP: tl.constexpr,
+                         GATE: tl.constexpr, ONE_PLUS: tl.constexpr,
+                         ROUND_PRODUCT: tl.constexpr, HAS_RES: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        i = tl.arange(0, BLOCK)
+        live = i < G
+        col = group * G + i
+        xdt = x_ptr.dtype.element_ty
+        h = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
+        if HAS_RES:  # h + delta in x's dtype (stored), then its norm
+            d = tl.load(res_ptr + row * stride_r + col, mask=live, other=0.0).to(tl.float32)
+            h = (h + d).to(xdt)
+            tl.store(sum_ptr + row * G * tl.num_programs(1) + col, h, mask=live)
+            h = h.to(tl.float32)
+        if GATE == 1:
+            z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
+            h = h * (z / (1.0 + tl.exp(-z)))
+        y = h * (1.0 / tl.sqrt(tl.sum(h * h, axis=0) / G + eps))
+        if W_PER_GROUP:
+            w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_ptr + col, mask=live, other=0.0).to(tl.float32)
+        if ONE_PLUS:
+            y = y * (1.0 + w)
+        else:
+            y = w * y.to(xdt).to(tl.float32)
+            if ROUND_PRODUCT:  # both 16-bit: the product rounds to the weight's dtype
+                y = y.to(w_ptr.dtype.element_ty).to(tl.float32)
+        if GATE == 2:
+            z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
+            y = y * (z / (1.0 + tl.exp(-z)))
+        tl.store(out_ptr + row * G * tl.num_programs(1) + col,
+                 y.to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, bias_ptr, g_ptr, beta_ptr, stride_a, stride_b,
+                          H, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        live = i < H
+        a = tl.load(a_ptr + row * stride_a + i, mask=live, other=0.0).to(tl.float32)
+        u = a + tl.load(bias_ptr + i, mask=live, other=0.0).to(tl.float32)
+        # torch's softplus: linear above 20; exp(u) where 1 + exp(u) would round to 1.
+        e = tl.exp(tl.minimum(u, 20.0))
+        softplus = tl.where(u > 20.0, u, tl.where(u < -15.0, e, tl.log(1.0 + e)))
+        decay = tl.exp(tl.load(alog_ptr + i, mask=live, other=0.0).to(tl.float32))
+        tl.store(g_ptr + row * H + i, -decay * softplus, mask=live)
+        b = tl.load(b_ptr + row * stride_b + i, mask=live, other=0.0)
+        beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+        tl.store(beta_ptr + row * H + i, beta.to(b.dtype).to(tl.float32), mask=live)
