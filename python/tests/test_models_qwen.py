@@ -28,9 +28,11 @@ from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
 #: the chunked scan sum in another order than transformers' loops).
 FP32_TOL = 5e-5
 #: Each state mode against eager fp32, fp32 activations, 70 steps (4 folds at L = 16, 17 at
-#: L = 4). Measured: fp32 replay 2.6e-5; bf16 state 7.9e-3; bf16 checkpoints 7.2e-4 (L = 16),
-#: 1.9e-2 (L = 4: more reads of a freshly rounded copy); fp8 read copy 1.1e-2.
-MODE_TOL = {"eager-bf16": 5e-2, "replay-fp32": 1e-4, "replay-bf16": 5e-2,
+#: L = 4). Measured: fp32 replay 2.6e-5; bf16 state 7.9e-3 on the CPU, 6.0e-2 on the H200 (the
+#: kernels round the same bf16 state in another order, and this tiny random model amplifies it:
+#: see the bf16 test against transformers); bf16 checkpoints 7.2e-4 (L = 16), 1.9e-2 (L = 4:
+#: more reads of a freshly rounded copy); fp8 read copy 1.1e-2.
+MODE_TOL = {"eager-bf16": 1e-1, "replay-fp32": 1e-4, "replay-bf16": 5e-2,
             "replay-fp32+bf16": 5e-2, "replay-fp32+fp8": 5e-2}
 
 
