@@ -483,36 +483,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def device_label(device: str) -> str:
+    """The GPU's name, or the CPU's, for a result's metadata."""
+    return (torch.cuda.get_device_name() if device == "cuda"
+            else platform.processor() or platform.machine())
+
+
+def run_configurations(bench: str, args: argparse.Namespace, meta: dict[str, Any],
+                       configurations: list[tuple[int, Any]],
+                       run: Callable[[Any, str, int, Any], list[dict[str, Any]]],
+                       add_speedups: Callable[[list[dict[str, Any]]], None]
+                       ) -> list[dict[str, Any]]:
+    """The rows of ``run(model, layout, batch, what)`` for every layout of ``args.layouts``
+    (its model loaded once, freed before the next) and every ``(batch, what)`` of
+    ``configurations``. After each configuration: a progress line on stderr, ``add_speedups``
+    over all rows, and ``args.json`` rewritten (``meta`` plus the seconds so far), so that a
+    run cut short keeps its results."""
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    for layout in args.layouts:
+        model = load_model(layout, args.device, dtype)
+        for batch, what in configurations:
+            t0 = time.perf_counter()
+            runs += run(model, layout, batch, what)
+            print(f"[{bench}] {layout} batch {batch} {what}: {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+            add_speedups(runs)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(meta={**meta, "seconds": time.perf_counter() - started},
+                                   runs=runs), f, indent=1)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot:
         print(plot(args.plot, args.out))
         return 0
-    dtype = getattr(torch, args.dtype)
-    runs: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda"
-                else platform.processor() or platform.machine(),
+    meta = dict(device=device_label(args.device),
                 torch=torch.__version__, replayssm=replayssm.__version__, dtype=args.dtype,
                 context=args.context, repeats=args.repeats,
                 command="python -m replayssm.bench_e2e " + " ".join(
                     sys.argv[1:] if argv is None else argv))
-    for layout in args.layouts:
-        model = load_model(layout, args.device, dtype)
-        for batch in args.batches:
-            for mode in args.modes:
-                t0 = time.perf_counter()
-                runs += bench_one(model, layout, mode, batch, args.starts, args)
-                print(f"[bench_e2e] {layout} batch {batch} {mode}: "
-                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-                add_speedups(runs)
-                if args.json:  # after every configuration: a run cut short keeps its results
-                    meta["seconds"] = time.perf_counter() - started
-                    with open(args.json, "w") as f:
-                        json.dump(dict(meta=meta, runs=runs), f, indent=1)
-        del model
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    runs = run_configurations(
+        "bench_e2e", args, meta, [(b, m) for b in args.batches for m in args.modes],
+        lambda model, layout, batch, mode: bench_one(model, layout, mode, batch, args.starts,
+                                                     args),
+        add_speedups)
     print("\n".join(summary_lines(runs)))
     return 0
 

@@ -59,7 +59,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import sysconfig
@@ -69,7 +68,8 @@ from typing import Any
 import torch
 
 import replayssm
-from replayssm.bench_e2e import LAYOUTS, fill_context, load_model, sync, time_steps
+from replayssm.bench_e2e import (LAYOUTS, device_label, fill_context, run_configurations, sync,
+                                 time_steps)
 from replayssm.models import ServingCache, StateMode
 from replayssm.models.speculative import NgramDrafter, SpecRunner, SpeculativeDecoder
 
@@ -367,43 +367,24 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(text)
         print(text)
         return 0
-    dtype = getattr(torch, args.dtype)
-    device_name = (torch.cuda.get_device_name() if args.device == "cuda"
-                   else platform.processor() or platform.machine())
-    meta = dict(device=device_name, torch=torch.__version__, replayssm=replayssm.__version__,
+    meta = dict(device=device_label(args.device), torch=torch.__version__, replayssm=replayssm.__version__,
                 dtype=args.dtype, context=args.context, window=args.window,
                 acceptance=args.probs, repeats=args.repeats, steps=args.steps, command=command)
-    runs: list[dict[str, Any]] = []
-    started = time.perf_counter()
 
-    def save() -> None:
-        """After every configuration, so that a run cut short keeps its results."""
-        add_speedups(runs)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(meta={**meta, "seconds": time.perf_counter() - started},
-                               runs=runs), f, indent=1)
+    def run(model, layout: str, batch: int, method: str) -> list[dict[str, Any]]:
+        try:
+            return [bench_one(model, layout, method, batch, args.probs[layout], args)]
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            # A cache that does not fit is a result (per-draft state at large T and batch).
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            mode, T = method_mode(method, args)
+            return [dict(layout=layout, method=method, mode=mode, window=T, batch=batch,
+                         error="out of memory: " + str(e).splitlines()[0][:120])]
 
-    configurations = [(b, m) for b in args.batches for m in args.methods]
-    for layout in args.layouts:
-        model = load_model(layout, args.device, dtype)
-        for batch, method in configurations:
-            t0 = time.perf_counter()
-            try:
-                runs.append(bench_one(model, layout, method, batch, args.probs[layout], args))
-            except (torch.OutOfMemoryError, MemoryError) as e:
-                # A cache that does not fit is a result (per-draft state at large T and batch).
-                mode, T = method_mode(method, args)
-                runs.append(dict(layout=layout, method=method, mode=mode, window=T, batch=batch,
-                                 error="out of memory: " + str(e).splitlines()[0][:120]))
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-            print(f"[bench_spec] {layout} batch {batch} {method}: "
-                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-            save()
-        del model
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    runs = run_configurations("bench_spec", args, meta,
+                              [(b, m) for b in args.batches for m in args.methods], run,
+                              add_speedups)
     print("\n".join(summary_lines(runs)))
     return 0
 
