@@ -442,29 +442,36 @@ def plot(path: str, out: str | None) -> str:
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m replayssm.bench_e2e",
-                                description=__doc__.split("\n\n")[0])
+def arg_parser(module: str, doc: str, default_batches: tuple[int, ...]
+               ) -> argparse.ArgumentParser:
+    """The options every whole-model benchmark takes (what runs, where, the results' file)."""
+    p = argparse.ArgumentParser(prog=f"python -m replayssm.{module}",
+                                description=doc.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS),
                    metavar="LAYOUT", help=f"of {', '.join(LAYOUTS)}")
+    p.add_argument("--batches", nargs="+", type=int, default=list(default_batches))
+    p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--json", help="write the results here")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = arg_parser("bench_e2e", __doc__, DEFAULT_BATCHES)
     p.add_argument("--modes", nargs="+", default=list(StateMode.NAMES),
                    help="state modes (':L' sets a replay mode's buffer length)")
-    p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
     p.add_argument("--starts", nargs="+", default=list(STARTS), choices=STARTS)
-    p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
     p.add_argument("--steps", type=int, default=16,
                    help="steps per timed window (rounded up to a multiple of L)")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
     p.add_argument("--profile-starts", nargs="*", default=["staggered"], choices=STARTS,
                    help="the starts whose step breakdown is profiled (none: no profile)")
     p.add_argument("--profile-batches", nargs="*", type=int,
                    help="the batches profiled (default: the largest of --batches)")
     p.add_argument("--profile-all", action="store_true",
                    help="profile every batch and both starts")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", metavar="JSON", help="draw a results file instead of running")
     p.add_argument("--out", help="the plot's file (default: the JSON's name with .png)")
     args = p.parse_args(argv)

@@ -68,12 +68,11 @@ from typing import Any
 import torch
 
 import replayssm
-from replayssm.bench_e2e import (LAYOUTS, device_label, fill_context, run_configurations, sync,
-                                 time_steps)
+from replayssm.bench_e2e import (arg_parser, device_label, fill_context, run_configurations,
+                                 sync, time_steps)
 from replayssm.models import ServingCache, StateMode
 from replayssm.models.speculative import NgramDrafter, SpecRunner, SpeculativeDecoder
 
-DEFAULT_LAYOUTS = ("nemotron-nano-4b", "qwen3.5-4b")
 DEFAULT_BATCHES = (16, 64, 256)
 METHODS = ("replay-verify", "per-draft-state", "plain")
 BASELINE = "per-draft-state"
@@ -285,29 +284,19 @@ def measure(model_dir: str, windows: list[int], files_root: str, prompt_bytes: i
 # ---- command line ---------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m replayssm.bench_spec",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS),
-                   metavar="LAYOUT", help=f"of {', '.join(LAYOUTS)}")
+    p = arg_parser("bench_spec", __doc__, DEFAULT_BATCHES)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
     p.add_argument("--window", "-T", type=int, default=4, help="T: tokens per window, 2..8")
     p.add_argument("--acceptance", nargs="+", type=float,
                    help="weights of accepting 1..T tokens per step (default: ACCEPTANCE)")
     p.add_argument("--replay-mode", default="replay-fp32")
     p.add_argument("--eager-mode", default="eager-fp32")
-    p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
     p.add_argument("--lookback", type=int, default=1024, help="the n-gram drafter's lookback")
     p.add_argument("--steps", type=int, default=16, help="steps per timed window")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
     p.add_argument("--request-tokens", type=int, default=8192,
                    help="tokens a request's KV rows are sized for (memory per request)")
     p.add_argument("--budget-gb", type=float, default=64.0,
                    help="serving-cache memory budget for the maximum concurrent requests (GiB)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--json", help="write the results here")
     p.add_argument("--measure", nargs="+", metavar="MODEL_DIR",
                    help="measure the n-gram acceptance on trained models instead of timing")
     p.add_argument("--measure-windows", nargs="+", type=int, default=list(range(2, 9)))
