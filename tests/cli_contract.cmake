@@ -28,6 +28,11 @@ set(cli_dir ${CMAKE_CURRENT_BINARY_DIR})
 set(cli_trace data/mamba2_small.safetensors)
 set(cli_run run --trace ${cli_trace} --out ${cli_dir}/cli_contract_out.safetensors --device cpu)
 
+# Eager runs verify windows too (per-draft state: T + 1 state copies, the commit selects one).
+replayssm_cli_check(run_eager_spec ok TIMEOUT 30 MATCH "eager T=4 on cpu: [0-9]+ decode steps"
+  ARGS run --trace ${cli_trace} --out ${cli_dir}/cli_contract_eager_spec.safetensors --device cpu
+       --mode eager -T 4 --accept-seed 3)
+
 # Limits: one source (state_cache.h), checked before any work (a long run would time out),
 # named as typed, shown in --help.
 replayssm_cli_check(run_buffer_len_range error TIMEOUT 10

@@ -100,6 +100,13 @@ std::vector<RunCase> golden_cases() {
   };
   const auto fp32 = CheckpointPrecision::kFp32;
   add("eager", DecodeMode::kEager, 16, 1, 0, fp32);
+  // Per-draft state: T + 1 state copies per slot, the commit selects the accepted one.
+  for (int T : {2, 4}) {
+    for (std::uint64_t seed : {1u, 7u}) {
+      add("eager_spec_T" + std::to_string(T) + "_seed" + std::to_string(seed), DecodeMode::kEager,
+          16, T, seed, fp32);
+    }
+  }
   for (int L : {1, 2, 16}) add("replay_L" + std::to_string(L), DecodeMode::kReplay, L, 1, 0, fp32);
   for (int T : {2, 4}) {
     for (std::uint64_t seed : {1u, 7u}) {
@@ -486,11 +493,6 @@ TEST(TraceErrors, BadRunOptions) {
   expect_error(run([](TraceRunOptions& o) { o.buffer_len = 0; }), "buffer_len (L) must be >= 1");
   expect_error(run([](TraceRunOptions& o) { o.spec_tokens = 0; }), "spec_tokens (T) must be >= 1");
   expect_error(run([](TraceRunOptions& o) { o.spec_tokens = 100; }), "max_spec_tokens");
-  expect_error(run([](TraceRunOptions& o) {
-                 o.mode = DecodeMode::kEager;
-                 o.spec_tokens = 2;
-               }),
-               "needs replay mode");
   expect_error(run([](TraceRunOptions& o) { o.input_dtype = DType::kF8E4M3; }), "input dtype");
   if (!cuda_available()) {
     expect_error(run([](TraceRunOptions& o) { o.device = Device::kCuda; }), "CUDA");

@@ -160,7 +160,7 @@ void add_run(CLI::App& app, RunArgs& a) {
       &a.buffer_len, 1, kMaxBufferLen);
   a.ranges.add(run->add_option("--spec-tokens,-T", a.spec_tokens,
                                "Verify window: 1 = plain decoding; T > 1 = 1 real + T-1 draft "
-                               "tokens (replay)")
+                               "tokens (eager: T + 1 state copies per slot)")
                    ->capture_default_str(),
                &a.spec_tokens, 1, kMaxSpecTokens);
   run->add_option("--accept-seed", a.accept_seed, "With T > 1: seed of the acceptance pattern")
@@ -228,6 +228,8 @@ int do_run(const RunArgs& a) {
   if (o.mode == DecodeMode::kReplay) {
     how += " L=" + std::to_string(o.buffer_len) + " T=" + std::to_string(o.spec_tokens) + " " +
            a.checkpoint;
+  } else if (o.spec_tokens > 1) {
+    how += " T=" + std::to_string(o.spec_tokens);
   }
   std::printf("%s: %s layer, %d steps x batch %d, %s on %s: %d decode steps, %.3f ms each\n",
               a.out_path.c_str(), layer_kind_name(trace.kind), trace.num_steps(), trace.batch(),

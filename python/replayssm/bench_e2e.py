@@ -442,29 +442,36 @@ def plot(path: str, out: str | None) -> str:
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m replayssm.bench_e2e",
-                                description=__doc__.split("\n\n")[0])
+def arg_parser(module: str, doc: str, default_batches: tuple[int, ...]
+               ) -> argparse.ArgumentParser:
+    """The options every whole-model benchmark takes (what runs, where, the results' file)."""
+    p = argparse.ArgumentParser(prog=f"python -m replayssm.{module}",
+                                description=doc.split("\n\n")[0])
     p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS),
                    metavar="LAYOUT", help=f"of {', '.join(LAYOUTS)}")
+    p.add_argument("--batches", nargs="+", type=int, default=list(default_batches))
+    p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--json", help="write the results here")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = arg_parser("bench_e2e", __doc__, DEFAULT_BATCHES)
     p.add_argument("--modes", nargs="+", default=list(StateMode.NAMES),
                    help="state modes (':L' sets a replay mode's buffer length)")
-    p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
     p.add_argument("--starts", nargs="+", default=list(STARTS), choices=STARTS)
-    p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
     p.add_argument("--steps", type=int, default=16,
                    help="steps per timed window (rounded up to a multiple of L)")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
     p.add_argument("--profile-starts", nargs="*", default=["staggered"], choices=STARTS,
                    help="the starts whose step breakdown is profiled (none: no profile)")
     p.add_argument("--profile-batches", nargs="*", type=int,
                    help="the batches profiled (default: the largest of --batches)")
     p.add_argument("--profile-all", action="store_true",
                    help="profile every batch and both starts")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", metavar="JSON", help="draw a results file instead of running")
     p.add_argument("--out", help="the plot's file (default: the JSON's name with .png)")
     args = p.parse_args(argv)
@@ -483,36 +490,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def device_label(device: str) -> str:
+    """The GPU's name, or the CPU's, for a result's metadata."""
+    return (torch.cuda.get_device_name() if device == "cuda"
+            else platform.processor() or platform.machine())
+
+
+def run_configurations(bench: str, args: argparse.Namespace, meta: dict[str, Any],
+                       configurations: list[tuple[int, Any]],
+                       run: Callable[[Any, str, int, Any], list[dict[str, Any]]],
+                       add_speedups: Callable[[list[dict[str, Any]]], None]
+                       ) -> list[dict[str, Any]]:
+    """The rows of ``run(model, layout, batch, what)`` for every layout of ``args.layouts``
+    (its model loaded once, freed before the next) and every ``(batch, what)`` of
+    ``configurations``. After each configuration: a progress line on stderr, ``add_speedups``
+    over all rows, and ``args.json`` rewritten (``meta`` plus the seconds so far), so that a
+    run cut short keeps its results."""
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    for layout in args.layouts:
+        model = load_model(layout, args.device, dtype)
+        for batch, what in configurations:
+            t0 = time.perf_counter()
+            runs += run(model, layout, batch, what)
+            print(f"[{bench}] {layout} batch {batch} {what}: {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+            add_speedups(runs)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(meta={**meta, "seconds": time.perf_counter() - started},
+                                   runs=runs), f, indent=1)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot:
         print(plot(args.plot, args.out))
         return 0
-    dtype = getattr(torch, args.dtype)
-    runs: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda"
-                else platform.processor() or platform.machine(),
+    meta = dict(device=device_label(args.device),
                 torch=torch.__version__, replayssm=replayssm.__version__, dtype=args.dtype,
                 context=args.context, repeats=args.repeats,
                 command="python -m replayssm.bench_e2e " + " ".join(
                     sys.argv[1:] if argv is None else argv))
-    for layout in args.layouts:
-        model = load_model(layout, args.device, dtype)
-        for batch in args.batches:
-            for mode in args.modes:
-                t0 = time.perf_counter()
-                runs += bench_one(model, layout, mode, batch, args.starts, args)
-                print(f"[bench_e2e] {layout} batch {batch} {mode}: "
-                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-                add_speedups(runs)
-                if args.json:  # after every configuration: a run cut short keeps its results
-                    meta["seconds"] = time.perf_counter() - started
-                    with open(args.json, "w") as f:
-                        json.dump(dict(meta=meta, runs=runs), f, indent=1)
-        del model
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    runs = run_configurations(
+        "bench_e2e", args, meta, [(b, m) for b in args.batches for m in args.modes],
+        lambda model, layout, batch, mode: bench_one(model, layout, mode, batch, args.starts,
+                                                     args),
+        add_speedups)
     print("\n".join(summary_lines(runs)))
     return 0
 

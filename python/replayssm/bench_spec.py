@@ -59,7 +59,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import sysconfig
@@ -69,11 +68,11 @@ from typing import Any
 import torch
 
 import replayssm
-from replayssm.bench_e2e import LAYOUTS, fill_context, load_model, sync, time_steps
+from replayssm.bench_e2e import (arg_parser, device_label, fill_context, run_configurations,
+                                 sync, time_steps)
 from replayssm.models import ServingCache, StateMode
 from replayssm.models.speculative import NgramDrafter, SpecRunner, SpeculativeDecoder
 
-DEFAULT_LAYOUTS = ("nemotron-nano-4b", "qwen3.5-4b")
 DEFAULT_BATCHES = (16, 64, 256)
 METHODS = ("replay-verify", "per-draft-state", "plain")
 BASELINE = "per-draft-state"
@@ -82,24 +81,15 @@ BASELINE = "per-draft-state"
 #: Mean accepted tokens per step: Nemotron-H 1.75, 2.36, 2.86, 3.30, 3.64, 3.94, 4.16 and
 #: Qwen3.5 1.70, 2.23, 2.63, 2.95, 3.21, 3.41, 3.61 at T = 2 .. 8.
 ACCEPTANCE: dict[str, dict[int, list[int]]] = {
-    "nemotron_h": {
-        2: [1003, 3076],
-        3: [875, 202, 1961],
-        4: [854, 123, 63, 1473],
-        5: [776, 136, 65, 65, 1137],
-        6: [781, 125, 54, 41, 30, 951],
-        7: [771, 115, 35, 62, 21, 28, 798],
-        8: [788, 107, 39, 39, 29, 26, 26, 684],
-    },
-    "qwen3_5": {
-        2: [1253, 2950],
-        3: [1109, 255, 1847],
-        4: [1072, 215, 94, 1349],
-        5: [1050, 187, 85, 64, 1049],
-        6: [1007, 202, 72, 61, 55, 841],
-        7: [1022, 184, 55, 65, 46, 43, 700],
-        8: [990, 181, 62, 51, 43, 40, 22, 607],
-    },
+    family: {len(counts): counts for counts in rows} for family, rows in {
+        # One row per T = 2 .. 8: T counts, so each row's length is its T.
+        "nemotron_h": ([1003, 3076], [875, 202, 1961], [854, 123, 63, 1473],
+                       [776, 136, 65, 65, 1137], [781, 125, 54, 41, 30, 951],
+                       [771, 115, 35, 62, 21, 28, 798], [788, 107, 39, 39, 29, 26, 26, 684]),
+        "qwen3_5": ([1253, 2950], [1109, 255, 1847], [1072, 215, 94, 1349],
+                    [1050, 187, 85, 64, 1049], [1007, 202, 72, 61, 55, 841],
+                    [1022, 184, 55, 65, 46, 43, 700], [990, 181, 62, 51, 43, 40, 22, 607]),
+    }.items()
 }
 
 #: The layouts' families, for ACCEPTANCE.
@@ -294,29 +284,19 @@ def measure(model_dir: str, windows: list[int], files_root: str, prompt_bytes: i
 # ---- command line ---------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m replayssm.bench_spec",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS),
-                   metavar="LAYOUT", help=f"of {', '.join(LAYOUTS)}")
+    p = arg_parser("bench_spec", __doc__, DEFAULT_BATCHES)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
     p.add_argument("--window", "-T", type=int, default=4, help="T: tokens per window, 2..8")
     p.add_argument("--acceptance", nargs="+", type=float,
                    help="weights of accepting 1..T tokens per step (default: ACCEPTANCE)")
     p.add_argument("--replay-mode", default="replay-fp32")
     p.add_argument("--eager-mode", default="eager-fp32")
-    p.add_argument("--context", type=int, default=1024, help="synthetic context tokens per row")
     p.add_argument("--lookback", type=int, default=1024, help="the n-gram drafter's lookback")
     p.add_argument("--steps", type=int, default=16, help="steps per timed window")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
     p.add_argument("--request-tokens", type=int, default=8192,
                    help="tokens a request's KV rows are sized for (memory per request)")
     p.add_argument("--budget-gb", type=float, default=64.0,
                    help="serving-cache memory budget for the maximum concurrent requests (GiB)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   choices=("cuda", "cpu"))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--json", help="write the results here")
     p.add_argument("--measure", nargs="+", metavar="MODEL_DIR",
                    help="measure the n-gram acceptance on trained models instead of timing")
     p.add_argument("--measure-windows", nargs="+", type=int, default=list(range(2, 9)))
@@ -367,43 +347,24 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(text)
         print(text)
         return 0
-    dtype = getattr(torch, args.dtype)
-    device_name = (torch.cuda.get_device_name() if args.device == "cuda"
-                   else platform.processor() or platform.machine())
-    meta = dict(device=device_name, torch=torch.__version__, replayssm=replayssm.__version__,
+    meta = dict(device=device_label(args.device), torch=torch.__version__, replayssm=replayssm.__version__,
                 dtype=args.dtype, context=args.context, window=args.window,
                 acceptance=args.probs, repeats=args.repeats, steps=args.steps, command=command)
-    runs: list[dict[str, Any]] = []
-    started = time.perf_counter()
 
-    def save() -> None:
-        """After every configuration, so that a run cut short keeps its results."""
-        add_speedups(runs)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(meta={**meta, "seconds": time.perf_counter() - started},
-                               runs=runs), f, indent=1)
+    def run(model, layout: str, batch: int, method: str) -> list[dict[str, Any]]:
+        try:
+            return [bench_one(model, layout, method, batch, args.probs[layout], args)]
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            # A cache that does not fit is a result (per-draft state at large T and batch).
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            mode, T = method_mode(method, args)
+            return [dict(layout=layout, method=method, mode=mode, window=T, batch=batch,
+                         error="out of memory: " + str(e).splitlines()[0][:120])]
 
-    configurations = [(b, m) for b in args.batches for m in args.methods]
-    for layout in args.layouts:
-        model = load_model(layout, args.device, dtype)
-        for batch, method in configurations:
-            t0 = time.perf_counter()
-            try:
-                runs.append(bench_one(model, layout, method, batch, args.probs[layout], args))
-            except (torch.OutOfMemoryError, MemoryError) as e:
-                # A cache that does not fit is a result (per-draft state at large T and batch).
-                mode, T = method_mode(method, args)
-                runs.append(dict(layout=layout, method=method, mode=mode, window=T, batch=batch,
-                                 error="out of memory: " + str(e).splitlines()[0][:120]))
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-            print(f"[bench_spec] {layout} batch {batch} {method}: "
-                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-            save()
-        del model
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    runs = run_configurations("bench_spec", args, meta,
+                              [(b, m) for b in args.batches for m in args.methods], run,
+                              add_speedups)
     print("\n".join(summary_lines(runs)))
     return 0
 

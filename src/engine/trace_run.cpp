@@ -98,10 +98,6 @@ const void* device_input(const std::vector<TokenInput>& inputs, const char* name
 Status validate_options(const TraceRunOptions& o) {
   if (o.spec_tokens < 1) return invalid_argument("spec_tokens (T) must be >= 1");
   if (o.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
-  if (o.mode == DecodeMode::kEager && o.spec_tokens > 1) {
-    return invalid_argument(
-        "eager mode decodes one token at a time: spec_tokens (T) > 1 needs replay mode");
-  }
   return Status::ok();
 }
 

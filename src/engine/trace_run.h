@@ -36,7 +36,9 @@ constexpr std::uint64_t kTraceRunDraftSeedMix = 0x9e3779b97f4a7c15ULL;
 struct TraceRunOptions {
   DecodeMode mode = DecodeMode::kReplay;
   int buffer_len = 16;  ///< L (replay)
-  int spec_tokens = 1;  ///< T, the verify window; 1 = plain decoding (the only eager choice)
+  /// T, the verify window; 1 = plain decoding. An eager cache keeps T + 1 state copies per
+  /// slot for it and the commit selects one (per-draft-state speculation).
+  int spec_tokens = 1;
   std::uint64_t accept_seed = 0;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
   Device device = Device::kCpu;

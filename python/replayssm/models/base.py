@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -377,9 +377,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class HybridModel(torch.nn.Module, abc.ABC):
     """A hybrid decoder (SSM mixers, attention, MLP) served from a :class:`ServingCache`.
 
-    Families implement ``cache_layout``, ``prefill``, ``decode_logits``, ``random`` and
-    ``input_embeddings``, and set ``config_class`` (a config with ``from_hf`` and
-    ``tie_word_embeddings``) and ``ignored_tensors``; ``decode``, ``commit``, ``step``,
+    Families implement ``cache_layout``, ``_stack``, ``random`` and ``input_embeddings``, and
+    set ``config_class`` (a config with ``from_hf`` and ``tie_word_embeddings``) and
+    ``ignored_tensors``; ``prefill``, ``decode_logits``, ``decode``, ``commit``, ``step``,
     ``step_argmax``, ``from_pretrained`` and ``from_tensors`` are shared. None of the decode
     methods does a host sync or has data-dependent shapes, so an engine can capture them in a
     CUDA graph. A family's module has ``config`` and ``lm_head`` attributes.
@@ -424,15 +424,33 @@ class HybridModel(torch.nn.Module, abc.ABC):
         """What a ServingCache for this model holds."""
 
     @abc.abstractmethod
+    def _stack(self, tokens: torch.Tensor, positions: torch.Tensor,
+               mix: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """The logits (the LM head's dtype) of ``tokens`` at ``positions`` (same shape): the
+        embedding, every layer, the final norm and the LM head, each SSM or attention layer run
+        by ``mix(mixer, cache_layer, x, *extra)`` (the family's extra mixer arguments, such as
+        rotary tables, last), which calls the mixer's ``prefill`` or ``decode``."""
+
+    @torch.no_grad()
     def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
         """The whole prompt ``tokens`` (int64 [n]) of a freshly allocated slot: fills its KV rows
         [0, n), conv ring and SSM state (loaded into ``cache.ssm``), sets ``lengths[slot] = n``;
         returns the logits [n, vocab] (float32)."""
+        cache.check_prompt(slot, tokens)
+        tokens = tokens.to(cache.device)
+        positions = torch.arange(tokens.numel(), device=tokens.device)
+        logits = self._stack(tokens, positions, lambda mixer, layer, x, *extra:
+                             mixer.prefill(cache, layer, slot, x, *extra))
+        cache.lengths[slot] = tokens.numel()
+        return logits.float()
 
-    @abc.abstractmethod
+    @torch.no_grad()
     def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
                       tokens: torch.Tensor) -> torch.Tensor:
         """``decode``'s logits in the LM head's dtype (no float32 copy of [B, T, vocab])."""
+        ctx = cache.decode_context(slot_ids, tokens)
+        return self._stack(tokens, ctx.positions, lambda mixer, layer, x, *extra:
+                           mixer.decode(cache, layer, ctx, x, *extra))
 
     def decode(self, cache: ServingCache, slot_ids: torch.Tensor,
                tokens: torch.Tensor) -> torch.Tensor:

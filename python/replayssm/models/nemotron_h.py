@@ -488,30 +488,14 @@ class NemotronHModel(HybridModel):
             conv_kernel=c.conv_kernel, num_attn_layers=c.pattern.count(_ATTENTION_LAYER),
             kv_heads=c.num_key_value_heads, head_dim=c.head_dim, device=w.device, dtype=w.dtype)
 
-    def _stack(self, h: torch.Tensor, mixer: Any) -> torch.Tensor:
-        """The blocks over embeddings ``h``, the SSM and attention mixers run by
-        ``mixer(block, x)`` (prefill or decode), then the final norm and the LM head."""
-        h = h.to(self.model.norm_f.weight.dtype)
+    def _stack(self, tokens: torch.Tensor, positions: torch.Tensor, mix: Any) -> torch.Tensor:
+        # No rotary embedding: positions are unused.
+        h = self.model.embeddings(tokens).to(self.model.norm_f.weight.dtype)
         delta = None  # each block's update, added to h by the next norm (one fused launch)
         for block in self.model.layers:
             if delta is None:
                 x = block.norm(h)
             else:
                 h, x = block.norm.add(h, delta)
-            delta = block.mixer(x) if block.kind == _MLP_LAYER else mixer(block, x)
+            delta = block.mixer(x) if block.kind == _MLP_LAYER else mix(block.mixer, block.index, x)
         return self.lm_head(self.model.norm_f.add(h, delta)[1])
-
-    @torch.no_grad()
-    def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-        cache.check_prompt(slot, tokens)
-        logits = self._stack(self.model.embeddings(tokens.to(cache.device)),
-                             lambda block, x: block.mixer.prefill(cache, block.index, slot, x))
-        cache.lengths[slot] = tokens.numel()
-        return logits.float()
-
-    @torch.no_grad()
-    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
-                      tokens: torch.Tensor) -> torch.Tensor:
-        ctx = cache.decode_context(slot_ids, tokens)
-        return self._stack(self.model.embeddings(tokens),
-                           lambda block, x: block.mixer.decode(cache, block.index, ctx, x))

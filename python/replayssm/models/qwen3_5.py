@@ -591,11 +591,8 @@ class Qwen35Model(HybridModel):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _stack(self, tokens: torch.Tensor, positions: torch.Tensor, mix) -> torch.Tensor:
-        """Embedding, the decoder layers (``mix(mixer, cache_layer, x, rope)`` runs a layer's
-        GDN or attention, prefill or decode), final norm and LM head; logits in the weights'
-        dtype."""
         h = self.model.embed_tokens(tokens)
-        rope = self._rope(positions, h.dtype)
+        rope = self._rope(positions, h.dtype)  # the mixers' extra argument
         delta = None  # each update is added to h by the next norm (one fused launch)
         for i, layer in enumerate(self.model.layers):
             if delta is None:
@@ -606,20 +603,3 @@ class Qwen35Model(HybridModel):
             h, x = layer.post_attention_layernorm.add(h, delta)
             delta = layer.mlp(x)
         return self.lm_head(self.model.norm.add(h, delta)[1])
-
-    @torch.no_grad()
-    def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-        cache.check_prompt(slot, tokens)
-        tokens = tokens.to(self.lm_head.weight.device)
-        positions = torch.arange(tokens.numel(), device=tokens.device)
-        logits = self._stack(tokens, positions,
-                             lambda m, layer, x, rope: m.prefill(cache, layer, slot, x, rope))
-        cache.lengths[slot] = tokens.numel()
-        return logits.float()
-
-    @torch.no_grad()
-    def decode_logits(self, cache: ServingCache, slot_ids: torch.Tensor,
-                      tokens: torch.Tensor) -> torch.Tensor:
-        ctx = cache.decode_context(slot_ids, tokens)
-        return self._stack(tokens, ctx.positions,
-                           lambda m, layer, x, rope: m.decode(cache, layer, ctx, x, rope))
