@@ -34,10 +34,11 @@ import replayssm
 import replayssm.torch as rt
 
 from . import fused
+from .attention import decode_attention
 from .loader import check_tensors, read_config, read_tensors
 
 __all__ = ["CacheLayout", "DecodeContext", "HybridModel", "ServingCache", "StateMode",
-           "causal_attention", "reference_decode_attention", "weight_constant"]
+           "causal_attention", "weight_constant"]
 
 _EAGER_PRECISIONS = ("fp32", "bf16")
 _REPLAY_PRECISIONS = ("fp32", "bf16", "fp32+bf16", "fp32+fp8")
@@ -296,8 +297,8 @@ class ServingCache:
 
     def attend(self, layer: int, ctx: DecodeContext, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of a window's queries q [B, T, Hq, head_dim] (after kv_decode) over each
-        row's keys [0, lengths + t]: the engine's decode_attention where present."""
-        return _decode_attention()(q, self.k[layer], self.v[layer], ctx.rows32, ctx.lengths, scale)
+        row's keys [0, lengths + t] (attention.decode_attention: Triton on CUDA)."""
+        return decode_attention(q, self.k[layer], self.v[layer], ctx.rows32, ctx.lengths, scale)
 
 
 def weight_constant(module: torch.nn.Module, name: str, fn: Any, *params: torch.Tensor) -> Any:
@@ -336,32 +337,6 @@ def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation == "silu":
         return F.silu(x)
     raise ValueError(f"unsupported conv activation {activation!r}; choose 'silu' or None")
-
-
-def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               slot_rows: torch.Tensor, lengths: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """Plain-torch decode attention: q [B, T, Hq, D]; k_cache, v_cache [rows, Hkv, S, D];
-    slot_rows, lengths int32 [B]; query t of row b sees keys [0, lengths[b] + t]. Softmax in
-    fp32; returns [B, T, Hq, D] in q's dtype. Reads the whole key axis (masked): a reference."""
-    B, T, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    k = k_cache[slot_rows.long()].repeat_interleave(Hq // Hkv, dim=1).float()
-    v = v_cache[slot_rows.long()].repeat_interleave(Hq // Hkv, dim=1).float()
-    scores = torch.einsum("bthd,bhsd->bhts", q.float(), k) * scale
-    last = lengths.long()[:, None] + torch.arange(T, device=q.device)
-    visible = torch.arange(S, device=q.device) <= last[:, :, None]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    return torch.einsum("bhts,bhsd->bthd", scores.softmax(-1), v).to(q.dtype)
-
-
-def _decode_attention():
-    """The engine's decode_attention (attention.py) when this tree has it, else the reference."""
-    try:
-        from .attention import decode_attention
-    except ImportError:
-        return reference_decode_attention
-    return decode_attention
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
