@@ -258,7 +258,8 @@ class SpeculativeDecoder:
             tokens = torch.cat([pending[:, None], drafts], 1)
         else:
             tokens = pending[:, None]
-        predicted = self.model.decode(cache, slot_ids, tokens).argmax(-1)      # [B, T]
+        # The argmax of the LM head's own logits: widening to float32 is exact (step_argmax).
+        predicted = self.model.decode_logits(cache, slot_ids, tokens).argmax(-1)  # [B, T]
         if forced is None:
             hits = (tokens[:, 1:] == predicted[:, :-1]).int()
             accepted = (hits.cumprod(1).sum(1) + 1).int()
