@@ -1,7 +1,9 @@
 // Replay decoding on CUDA under serving conditions, both layer families: each step's launch
 // holds rows that fold beside rows that do not (requests that started at different steps), at
-// the small batches where a step is latency (1, 4, 16 rows and a pad row), and a replay step is
-// one launch per layer that moves its own fold cursor (src/cuda/state_cache/cursors.cuh).
+// the small batches where a step is latency (1, 4, 16 rows and a pad row) and at 40 rows,
+// where the launches serve the folding rows first (src/cuda/state_cache/fold_order.cuh); a
+// replay step is one launch per layer that moves its own fold cursor
+// (src/cuda/state_cache/cursors.cuh).
 //
 // Against the CPU backend on the same inputs: outputs per call (the family tests' tolerances,
 // side_case.h), and the cursors bit for bit right after every decode, before its commit: the
@@ -35,6 +37,7 @@ using testing::Rng;
 const Mamba2Shape kMamba2Small{4, 16, 128, 2};
 const Mamba2Shape kMamba2Generic{6, 20, 64, 3};  // dstate 64: the generic kernels
 const Mamba2Shape kSuper120b{128, 64, 128, 8};
+const Mamba2Shape kNano4b{96, 80, 128, 8};
 const GdnShape kGdnSmall{2, 4, 32, 16};
 const GdnShape kQwen4b{16, 32, 128, 128};
 
@@ -269,6 +272,10 @@ std::vector<ServingCase<Shape>> serving_cases(const char* small_name, const Shap
     out.push_back({small_name, small, p, DType::kF32, 16, 1, 5, 2});  // f32: the 3-term fold
     out.push_back({small_name, small, p, DType::kBF16, 16, 4, 5, 2});  // verifies, k ~ U{0..4}
     out.push_back({"real", real, p, DType::kBF16, 16, 1, 16, 1});
+    // Past kFoldFirstMinBatch of both families: the launches order their rows fold-first
+    // (state_cache/fold_order.cuh), with rows that have not started yet as pad rows.
+    out.push_back({small_name, small, p, DType::kBF16, 40, 1, 4, 2});
+    out.push_back({small_name, small, p, DType::kBF16, 40, 4, 4, 1});
   }
   return out;
 }
@@ -287,6 +294,11 @@ std::vector<Mamba2Case> mamba2_cases() {
   std::vector<Mamba2Case> out = serving_cases("small", kMamba2Small, kSuper120b);
   for (CheckpointPrecision p : testing::kAllPrecisions) {
     out.push_back({"generic", kMamba2Generic, p, DType::kBF16, 16, 1, 4, 2});
+    // Small batches of real shapes: a folding row takes finer runs of heads than a reading
+    // one (super120b at batch 4: 1 and 2; nano4b at 16: 2 and 6, which do not nest).
+    out.push_back({"real", kSuper120b, p, DType::kBF16, 4, 1, 16, 1});
+    out.push_back({"nano4b", kNano4b, p, DType::kBF16, 16, 1, 16, 1});
+    out.push_back({"nano4b", kNano4b, p, DType::kF32, 4, 4, 8, 1});
   }
   return out;
 }
@@ -428,7 +440,7 @@ void expect_graph_with_mixed_folds(const typename Side::Shape& shape, int batch)
 
 TEST(Mamba2Serving, GraphCapturedStepsWithMixedFoldsAtSmallBatches) {
   SKIP_WITHOUT_GPU();
-  for (int batch : {1, 4, 16}) {
+  for (int batch : {1, 4, 16, 40}) {
     SCOPED_TRACE("batch " + std::to_string(batch));
     expect_graph_with_mixed_folds<Mamba2Side>(kMamba2Small, batch);
   }
@@ -436,7 +448,7 @@ TEST(Mamba2Serving, GraphCapturedStepsWithMixedFoldsAtSmallBatches) {
 
 TEST(GdnServing, GraphCapturedStepsWithMixedFoldsAtSmallBatches) {
   SKIP_WITHOUT_GPU();
-  for (int batch : {1, 4, 16}) {
+  for (int batch : {1, 4, 16, 40}) {
     SCOPED_TRACE("batch " + std::to_string(batch));
     expect_graph_with_mixed_folds<GdnSide>(kGdnSmall, batch);
   }

@@ -97,12 +97,13 @@ GdnInputs input_args(const GdnDecodeArgs& a, int head_k_dim) {
   return in;
 }
 
-RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms) {
+RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms,
+                     int min_splits) {
   // Enough CTAs for every SM to hold several: a replay CTA is latency-bound (gdn_params.cuh).
   const int want_ctas = 8 * sms;
   const int ctas = std::max(1, batch * num_k_heads);
   const int max_splits = std::max(1, (group_rows + granule - 1) / granule);
-  int splits = std::clamp(std::max((want_ctas + ctas - 1) / ctas, kMinRowSplits), 1, max_splits);
+  int splits = std::clamp(std::max((want_ctas + ctas - 1) / ctas, min_splits), 1, max_splits);
   RowTiling t;
   t.rows_per_split = (group_rows + splits - 1) / splits;
   t.rows_per_split = (t.rows_per_split + granule - 1) / granule * granule;

@@ -42,14 +42,19 @@ namespace replayssm::cuda::gdn {
 /// (the previous tile, 6 CTAs/SM, measured in that same run: 201 / 165 / 157)
 constexpr int kThreads = 128;
 constexpr int kReplayMinBlocks = 8;
-/// A key head's rows are split over at least this many replay CTAs, at every batch. With
-/// staggered folds (requests that started at different steps) each step's tail is its
-/// folding CTAs (a fold replays w tokens through every row, ~3 ops per element and token),
-/// and halving their rows halves that tail; each split stages the key head's history again.
-/// qwen35-4b, batch 256, L = 16, µs per step, staggered / aligned, fp32 · bf16 · fp32+bf16 ·
-/// fp32+fp8: 1 split 228 / 190 · 189 / 141 · 187 / 142 · 243 / 173; 2 splits 211 / 205 ·
-/// 183 / 163 · 184 / 164 · 235 / 194 (docs/BENCHMARKS_CUDA_GDN.md, "Serving conditions").
-constexpr int kMinRowSplits = 2;
+/// A key head's rows are split over at least this many replay CTAs, at every batch. Two splits
+/// once halved the tail of staggered steps (their folding CTAs finishing on an idle GPU); the
+/// fold-first order (kFoldFirstMinBatch) removes that tail, and one split stages each key
+/// head's history once. qwen35-4b, L = 16, µs per step, staggered / aligned, fp32 · bf16 ·
+/// fp32+bf16 · fp32+fp8, both with the fold-first order: batch 256, 2 splits 201 / 209 ·
+/// 175 / 175 · 180 / 177 · 211 / 207, 1 split 180 / 192 · 148 / 148 · 153 / 150 · 189 / 179;
+/// batch 1024, fp32 829 → 701, bf16 761 → 592 (docs/BENCHMARKS_CUDA_GDN.md, "Fold-first").
+constexpr int kMinRowSplits = 1;
+/// From this batch a replay launch serves the rows whose fold is due first
+/// (state_cache/fold_order.cuh). Below it a launch's CTAs are all resident at once (8 per SM),
+/// so the order cannot shorten the step, and the read copy's prefetch, issued before the
+/// cursors at small batch, would have to wait for the order's cursor pass.
+constexpr int kFoldFirstMinBatch = 32;
 /// Bytes of the read copy each thread has in flight per pass (fp32: 1 row, bf16 2, fp8 4).
 constexpr int kReplayRowBytes = 64;
 constexpr int kWarps = kThreads / 32;
@@ -159,6 +164,7 @@ struct ReplayParams {
   int heads_per_key = 1;
   int records = 0;     ///< staged ring records a CTA has room for: history + window
   bool vec_async = false;  ///< ring v records of G heads are 16-byte aligned runs (cp.async)
+  bool fold_first = false;  ///< serve the rows whose fold is due first (fold_order.cuh)
   RowTiling tiling;
   ReplaySmem smem;
 };

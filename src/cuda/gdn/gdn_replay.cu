@@ -38,7 +38,9 @@
 #include "cuda/gdn/gdn_device.cuh"
 #include "cuda/gdn/gdn_launch.h"
 #include "cuda/gdn/gdn_params.cuh"
+#include "cuda/common/tuning.h"
 #include "cuda/state_cache/cursors.cuh"
+#include "cuda/state_cache/fold_order.cuh"
 
 namespace replayssm::cuda::gdn {
 
@@ -291,8 +293,10 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key, T = p.num_tokens;
   const int hk = blockIdx.x / p.tiling.splits;
   const int split = blockIdx.x - hk * p.tiling.splits;
-  const int b = blockIdx.y;
   const int layer = p.layer + int(blockIdx.z);  // z > 0 only for folds of several layers
+  const int b = p.fold_first
+                    ? fold_first_row(l, p.in.slot_ids, int(gridDim.y), layer, T, int(blockIdx.y))
+                    : int(blockIdx.y);
   const int slot = slot_in_range(l, p.in.slot_ids, b);
   if (slot < 0) return;  // pad row or bad id: nothing read or written
   const int group_rows = G * V;
@@ -452,8 +456,12 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   const int group_rows = p.heads_per_key * p.cache.dims.rows;
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
+  static const int min_splits = tuning_value("REPLAYSSM_TUNE_GDN_MIN_SPLITS", kMinRowSplits);
+  static const int fold_first_min_batch =
+      tuning_value("REPLAYSSM_TUNE_FOLD_FIRST_MIN_BATCH", kFoldFirstMinBatch);
   p.tiling = row_tiling(batch, p.cache.dims.key_heads, group_rows,
-                        kRowGroups * kOutputRows<read_t>, limits.sms);
+                        kRowGroups * kOutputRows<read_t>, limits.sms, min_splits);
+  p.fold_first = use_fold_first(batch, p.num_tokens, fold_first_min_batch);
   const int blocks_per_row = p.cache.dims.key_heads * p.tiling.splits;
   if (blocks_per_row > kMaxFoldBlocks) {
     return unsupported("gdn CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +

@@ -49,9 +49,18 @@ struct Params {
   const float* D = nullptr;                ///< [nheads]
   const float* dt_bias = nullptr;          ///< [nheads]
   void* y = nullptr;                       ///< [batch, T, nheads, head_dim]
-  int heads_per_cta = 1;                   ///< replay: heads of one group per block
+  /// Replay: heads of one group per block for rows whose fold is due (heads / heads_per_cta
+  /// blocks per grid row). A row that only reads takes runs of read_heads_per_cta >=
+  /// heads_per_cta heads on the first heads / read_heads_per_cta blocks of its grid row; its
+  /// other blocks exit at once. At small batch the two differ: reading takes few large blocks
+  /// (one wave), while a fold, several times a read's work per byte, spreads over more of them
+  /// so that a staggered step's folding rows do not outlast the rest.
+  int heads_per_cta = 1;
+  int read_heads_per_cta = 1;
   /// Replay: queue the read copy's first tiles before the cursors arrive (kEarlyTilesBatch).
   bool early_tiles = false;
+  /// Replay: serve the rows whose fold is due first (state_cache/fold_order.cuh).
+  bool fold_first = false;
 };
 
 /// Eager: threads per block for a head of `head_dim` rows (a whole number of warps).
@@ -80,6 +89,22 @@ inline constexpr int kMaxHeadsPerCta = 8;
 /// 19.9, 16 42.4 → 42.1; at batch 64 the early tiles delay the staging the prologue waits for,
 /// 131.1 → 133.5 (and +1-3% at 256; docs/BENCHMARKS_CUDA_MAMBA2.md, sections 5 and 6).
 inline constexpr int kEarlyTilesBatch = 16;
+/// Heads per block are chosen so that a launch has at least this many blocks per SM: for rows
+/// whose fold is due (Params::heads_per_cta), and for rows that only read
+/// (Params::read_heads_per_cta). super120b, µs per step, staggered / aligned, fp32 · bf16 ·
+/// fp32+bf16 · fp32+fp8, both at 4: batch 4 19.3 / 19.5 · 19.5 / 19.5 · 19.2 / 19.4 ·
+/// 21.6 / 21.6, both at 1: 14.6 / 13.4 · 14.8 / 12.6 · 14.4 / 12.3 · 15.8 / 12.9; at batch 16
+/// both at 1 read in a quarter of the blocks (aligned 28.5 · 23.4 · 22.3 · 21.7) but a
+/// staggered step's folding blocks then outlast it (50.1 · 63.7 · 54.9 · 72.4): hence the
+/// two choices (docs/BENCHMARKS_CUDA_MAMBA2.md, "Small batches").
+inline constexpr int kReplayBlocksPerSm = 4;
+inline constexpr int kReadBlocksPerSm = 1;
+/// From this batch a replay launch serves the rows whose fold is due first
+/// (state_cache/fold_order.cuh). super120b, staggered / aligned, µs: batch 16, fp32 · bf16 ·
+/// fp32+bf16 · fp32+fp8 39.2 / 37.5 · 41.6 / 36.1 · 39.1 / 35.3 · 41.1 / 36.0 without it,
+/// 38.6 / 39.6 · 38.2 / 38.3 · 37.1 / 37.5 · 38.1 / 38.1 with it; batch 64 and 256 in
+/// docs/BENCHMARKS_CUDA_MAMBA2.md, "Fold-first".
+inline constexpr int kFoldFirstMinBatch = kEarlyTilesBatch;
 
 /// Shared-memory carve-up of a replay block, in bytes (16-byte aligned pieces).
 struct ReplaySmem {

@@ -1,8 +1,10 @@
 // Mamba-2 replay decode (ALGORITHM.md §4, §5, §7): the outputs of a T-token window from the
 // checkpoint's read copy and the ring, with the fold of committed history fused in when due.
 //
-// One block per (batch row b, run of heads_per_cta heads h0.. of group g), w = committed −
-// folded history records:
+// One block per (batch row b, run of hpc heads h0.. of group g), w = committed − folded history
+// records; hpc is finer for a row whose fold is due than for one that only reads, at small
+// batch (Params::read_heads_per_cta), and the rows whose fold is due come first
+// (state_cache/fold_order.cuh):
 //   1. stage in shared memory (cp.async) what the step reads besides the state: x of the
 //      block's heads and B of the group for the w history records (ring) and the T window
 //      tokens (inputs), C_t, Δ and A·Δ; append the window to the ring;
@@ -36,7 +38,9 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/common/vec.cuh"
 #include "cuda/mamba2/mamba2_launch.h"
+#include "cuda/common/tuning.h"
 #include "cuda/state_cache/cursors.cuh"
+#include "cuda/state_cache/fold_order.cuh"
 
 namespace replayssm::cuda::mamba2 {
 
@@ -339,11 +343,9 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   constexpr int kS = kStages;
   constexpr int kRows = kTileRows<stream_t>;
   if (early) {
-    cp_async_wait<0>();  // the staging, queued after the early tiles
-    if constexpr (kFold && !CheckpointTypes<P>::kReadIsMaster) {
-#pragma unroll 1
-      for (int s = 0; s < kS; ++s) issue_tile(k, src, s);  // those were the read copy's
-    }
+    // The staging, queued after the early tiles, which are this block's first stages of `src`
+    // (the kernel dropped any that were not).
+    cp_async_wait<0>();
   } else {
 #pragma unroll 1
     for (int s = 0; s < kS; ++s) issue_tile(k, src, s);
@@ -390,17 +392,25 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   allow_dependents();
   const StateCacheLayout& l = params.cache;
   Block k;
-  k.hpc = params.heads_per_cta;
-  k.h0 = blockIdx.x * k.hpc;
-  k.b = blockIdx.y;
-  k.g = k.h0 / (l.dims.heads / l.dims.key_heads);
+  k.b = params.fold_first ? fold_first_row(l, params.slot_ids, params.batch, params.layer,
+                                           params.num_tokens, int(blockIdx.y))
+                         : int(blockIdx.y);
   k.P = l.dims.rows;
   k.T = params.num_tokens;
   k.R = l.max_records();
   k.Tm = l.config.max_spec_tokens;
-  k.rows = k.hpc * k.P;
   k.smem = smem;
-  k.at = ReplaySmem{k.R, k.Tm, k.P, k.hpc, int(sizeof(input_t))};
+  // The block's heads: a run of `hpc` from blockIdx.x·hpc, and its shared-memory carve-up.
+  const auto take_heads = [&](int hpc) {
+    k.hpc = hpc;
+    k.h0 = int(blockIdx.x) * hpc;
+    k.g = k.h0 / (l.dims.heads / l.dims.key_heads);
+    k.rows = hpc * k.P;
+    k.at = ReplaySmem{k.R, k.Tm, k.P, hpc, int(sizeof(input_t))};
+  };
+  // Blocks past the reading rows' runs serve folding rows only (Params::read_heads_per_cta).
+  const bool reads = int(blockIdx.x) * params.read_heads_per_cta < l.dims.heads;
+  take_heads(reads ? params.read_heads_per_cta : params.heads_per_cta);
 
   k.slot = slot_in_range(l, params.slot_ids, k.b);
   if (k.slot < 0) return;  // a pad row or a bad id: nothing read or written
@@ -409,18 +419,28 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   const bool allocated = slot_allocated(l, k.slot);
   const std::uint32_t committed = l.committed[k.slot];
   const std::uint32_t folded = fold_cursor_load(l, params.layer, k.slot);
-  const CheckpointHead<P> ckpt(l, params.layer, k.slot, k.h0);
-  const bool early = params.early_tiles && k.T > 0;
+  bool early = params.early_tiles && k.T > 0 && reads;
   if (early) {
+    const CheckpointHead<P> guess(l, params.layer, k.slot, k.h0);
 #pragma unroll 1
-    for (int s = 0; s < kStages; ++s) issue_tile(k, ckpt.read_row(0), s);
+    for (int s = 0; s < kStages; ++s) issue_tile(k, guess.read_row(0), s);
   }
   const FoldCursor cursor = fold_cursor(l, folded, committed, k.T);
   k.fold = cursor.fold;
-  if (!allocated || (k.T == 0 && !k.fold)) {
+  const bool idle = !allocated || (k.fold ? false : (k.T == 0 || !reads));
+  if (idle) {
     cp_async_wait<0>();
     return;
   }
+  // A folding row takes the finer runs. Its early tiles were the read copy's rows of the
+  // reading run: usable only when the read copy is the master and the run is unchanged.
+  if (k.fold && k.hpc != params.heads_per_cta) take_heads(params.heads_per_cta);
+  const bool early_tiles_reusable = Traits::kReadIsMaster && k.hpc == params.read_heads_per_cta;
+  if (early && k.fold && !early_tiles_reusable) {
+    cp_async_wait<0>();  // their stages are about to be reissued
+    early = false;
+  }
+  const CheckpointHead<P> ckpt(l, params.layer, k.slot, k.h0);
   // Clamped so that corrupt cursors can never index past the staging.
   k.w = static_cast<int>(std::min<std::uint32_t>(cursor.unfolded, l.max_history()));
   k.out0 = k.fold ? k.w : 0;
@@ -438,12 +458,14 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
 }
 
 // Heads per block: the most of one group (up to kMaxHeadsPerCta, a divisor of heads per
-// group) that still gives the GPU >= 4 blocks per SM; fewer at small batch.
-int pick_heads_per_cta(const StateCacheLayout& l, int batch, int sms) {
+// group) that still gives the GPU >= `blocks_per_sm` blocks per SM; fewer at small batch.
+int pick_heads_per_cta(const StateCacheLayout& l, int batch, int sms, int blocks_per_sm) {
   const int hpg = l.dims.heads / l.dims.key_heads;
   for (int hpc = std::min(hpg, kMaxHeadsPerCta); hpc > 1; --hpc) {
     if (hpg % hpc != 0) continue;
-    if (std::int64_t{batch} * (l.dims.heads / hpc) >= 4 * std::int64_t{sms}) return hpc;
+    if (std::int64_t{batch} * (l.dims.heads / hpc) >= std::int64_t{blocks_per_sm} * sms) {
+      return hpc;
+    }
   }
   return 1;
 }
@@ -453,16 +475,32 @@ Status launch(Params params, cudaStream_t stream) {
   const StateCacheLayout& l = params.cache;
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
-  int hpc = pick_heads_per_cta(l, params.batch, limits.sms);
+  static const int blocks_per_sm =
+      tuning_value("REPLAYSSM_TUNE_MAMBA2_BLOCKS_PER_SM", kReplayBlocksPerSm);
+  static const int fold_first_min_batch =
+      tuning_value("REPLAYSSM_TUNE_FOLD_FIRST_MIN_BATCH", kFoldFirstMinBatch);
+  static const int read_blocks_per_sm =
+      tuning_value("REPLAYSSM_TUNE_MAMBA2_READ_BLOCKS_PER_SM", kReadBlocksPerSm);
   // One head per block always fits: can_implement checked it when the cache was created.
-  while (hpc > 1 && replay_smem(l.config, hpc).bytes() > limits.smem_per_block) {
-    do {
-      --hpc;
-    } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
-  }
-  const int smem = replay_smem(l.config, hpc).bytes();
+  const auto fitting = [&](int hpc) {
+    while (hpc > 1 && replay_smem(l.config, hpc).bytes() > limits.smem_per_block) {
+      do {
+        --hpc;
+      } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
+    }
+    return hpc;
+  };
+  const int hpc_read = params.num_tokens == 0  // an explicit fold: every row it serves folds
+                           ? 0
+                           : fitting(pick_heads_per_cta(l, params.batch, limits.sms,
+                                                        read_blocks_per_sm));
+  const int hpc = std::min(fitting(pick_heads_per_cta(l, params.batch, limits.sms, blocks_per_sm)),
+                           hpc_read > 0 ? hpc_read : kMaxHeadsPerCta);
   params.heads_per_cta = hpc;
+  params.read_heads_per_cta = hpc_read > 0 ? hpc_read : hpc;
+  const int smem = replay_smem(l.config, params.read_heads_per_cta).bytes();
   params.early_tiles = params.batch <= kEarlyTilesBatch;
+  params.fold_first = use_fold_first(params.batch, params.num_tokens, fold_first_min_batch);
   if (l.dims.heads / hpc > kMaxFoldBlocks) {
     return unsupported("mamba2 CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
                        " blocks per batch row, got " + std::to_string(l.dims.heads / hpc));
