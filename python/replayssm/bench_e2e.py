@@ -8,9 +8,9 @@ fp32 state, in the same run.
 For each layout (the real Nemotron-3-Nano-4B and Qwen3.5-4B layouts by default, random bf16
 weights), batch and state mode, one decode step of the whole model (``model.step_argmax``: the
 greedy token, the engine's :class:`~replayssm.models.engine.StepRunner`) is captured in a CUDA graph
-and replayed; a row is its slot, every row is live (no pad rows). ``REPLAYSSM_FUSED=1`` in the
-environment times the step with the fused Triton kernels of :mod:`replayssm.models.fused`
-(conv, norms, GDN gates) instead of the plain-torch step.
+and replayed; a row is its slot, every row is live (no pad rows). The step runs the fused Triton
+kernels of :mod:`replayssm.models.fused` (conv, norms, GDN gates); ``REPLAYSSM_FUSED=0`` in the
+environment times the plain-torch step instead.
 
 Context. Every row starts with ``--context`` tokens of synthetic context, laid down without a
 prefill (a real one at batch 256 would dominate the run): the KV rows [0, context) and the conv

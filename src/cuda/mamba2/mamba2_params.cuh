@@ -99,6 +99,12 @@ inline constexpr int kEarlyTilesBatch = 16;
 /// two choices (docs/BENCHMARKS_CUDA_MAMBA2.md, "Small batches").
 inline constexpr int kReplayBlocksPerSm = 4;
 inline constexpr int kReadBlocksPerSm = 1;
+/// Folding rows take their own finer runs only when the reading runs are at least this many
+/// times longer: each extra block of a reading row still reads its cursors before it exits, and
+/// at batch 4 (super120b: runs of 2 heads against 1) those blocks cost more than the shorter
+/// folds save: 16.5 / 15.8 µs (fp32, staggered / aligned) against 14.6 / 13.4 with runs of 2 for
+/// both; at batch 16 (8 against 2) the split takes fp32 from 50.1 / 28.5 to 32.3 / 33.8.
+inline constexpr int kMinReadToFoldHeads = 3;
 /// From this batch a replay launch serves the rows whose fold is due first
 /// (state_cache/fold_order.cuh). super120b, staggered / aligned, µs: batch 16, fp32 · bf16 ·
 /// fp32+bf16 · fp32+fp8 39.2 / 37.5 · 41.6 / 36.1 · 39.1 / 35.3 · 41.1 / 36.0 without it,

@@ -494,8 +494,9 @@ Status launch(Params params, cudaStream_t stream) {
                            ? 0
                            : fitting(pick_heads_per_cta(l, params.batch, limits.sms,
                                                         read_blocks_per_sm));
-  const int hpc = std::min(fitting(pick_heads_per_cta(l, params.batch, limits.sms, blocks_per_sm)),
-                           hpc_read > 0 ? hpc_read : kMaxHeadsPerCta);
+  int hpc = std::min(fitting(pick_heads_per_cta(l, params.batch, limits.sms, blocks_per_sm)),
+                     hpc_read > 0 ? hpc_read : kMaxHeadsPerCta);
+  if (hpc_read > 0 && hpc_read < kMinReadToFoldHeads * hpc) hpc = hpc_read;
   params.heads_per_cta = hpc;
   params.read_heads_per_cta = hpc_read > 0 ? hpc_read : hpc;
   const int smem = replay_smem(l.config, params.read_heads_per_cta).bytes();
