@@ -1,6 +1,6 @@
 """Helpers shared by the model families' tests (replayssm.models): where and in which dtype a
-test runs, the tolerance of each state mode, relative errors, single-threaded CPU runs, Triton
-kernels run on the CPU through Triton's interpreter."""
+test runs, the tolerance of each state mode, tiny models and draft models, relative errors,
+single-threaded CPU runs, Triton kernels run on the CPU through Triton's interpreter."""
 
 import os
 import subprocess
@@ -48,6 +48,27 @@ def mode_tolerance(mode: str, dtype) -> float:
     """The tolerance of ``mode`` (name without ':L') against eager fp32 at activations ``dtype``."""
     tol = MODE_TOLERANCE[mode.split(":")[0]]
     return max(tol, BF16_ACTIVATIONS_TOLERANCE) if dtype == torch.bfloat16 else tol
+
+
+def tiny(family: str, device="cpu", seed: int = 1):
+    """A tiny fp32 model of ``family`` ("nemotron_h" or "qwen3_5") with seeded random weights."""
+    from replayssm.models import nemotron_h, qwen3_5
+
+    if family == "nemotron_h":
+        return nemotron_h.NemotronHModel.random(nemotron_h.NemotronHConfig.tiny(), seed=seed,
+                                                device=device)
+    return qwen3_5.Qwen35Model.random(qwen3_5.tiny_config(), seed=seed, device=device)
+
+
+def perturbed(family: str, model, scale: float = 0.02, seed: int = 7):
+    """A draft model: ``model``'s weights plus noise, so that it mostly agrees with it."""
+    draft = tiny(family, next(model.parameters()).device)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p, q in zip(draft.parameters(), model.parameters()):
+            noise = torch.randn(q.shape, generator=g).to(q.device)
+            p.copy_(q + scale * q.abs().mean() * noise)
+    return draft
 
 
 def rel_err(got, ref) -> float:

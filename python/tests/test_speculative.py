@@ -22,28 +22,12 @@ from replayssm.models.speculative import (DraftContext, DraftModelDrafter, Draft
                                           NgramDrafter, SpeculativeDecoder)
 
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
+from models_util import perturbed, tiny  # noqa: E402
 
 T = 4
 NEW_TOKENS = 40
 MAX_SEQ = 128
 MODES = ["replay-fp32", "eager-fp32"]
-
-
-def tiny(family, device="cpu", seed=1):
-    if family == "nemotron_h":
-        return NemotronHModel.random(NemotronHConfig.tiny(), seed=seed, device=device)
-    return qw.Qwen35Model.random(qw.tiny_config(), seed=seed, device=device)
-
-
-def perturbed(family, model, scale=0.02, seed=7):
-    """A draft model: ``model``'s weights plus noise, so that it mostly agrees with it."""
-    draft = tiny(family, next(model.parameters()).device)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p, q in zip(draft.parameters(), model.parameters()):
-            noise = torch.randn(q.shape, generator=g).to(q.device)
-            p.copy_(q + scale * q.abs().mean() * noise)
-    return draft
 
 
 def prompts(vocab, device="cpu"):

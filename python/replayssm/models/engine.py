@@ -30,17 +30,43 @@ rows moves to bucket 8) the GEMMs run with another M, for which cuBLAS (or the C
 choose another kernel with another summation order: logits may then differ in their last bits,
 and a greedy choice between two near-tied logits can flip. An engine that needs bit-identical
 outputs across batch sizes would pin one bucket (``buckets=(capacity,)``) at the cost of padding.
+
+Speculative decoding. ``Engine(model, cache, drafter=NgramDrafter(), spec_tokens=T)`` (a cache
+with ``max_spec_tokens >= T``) verifies a window of T tokens for every active request in each
+step: its pending token and T - 1 drafts, in one ``model.decode`` (a
+:class:`~replayssm.models.speculative.SpecRunner` per bucket, the drafter inside its CUDA graph;
+speculative.py explains the window). A request gains its accepted count, 1 + the drafts that
+match the model's greedy choices (1 to T tokens), and its tokens are those of plain greedy
+decoding. The counts are copied to the host after each step (the step's one sync), to know
+which requests finished. A request whose window runs past ``max_new_tokens`` keeps exactly
+``max_new_tokens`` tokens; the cache has committed the surplus, past the request's end, which
+is harmless: the slot is freed in the same step and a new request starts it afresh. The last
+window writes its predictions up to T - 1 positions past a request's last token, so a request
+needs ``prompt + max_new_tokens + T - 1 <= max_seq_len``. The drafter hears of each admitted
+and finished request (``Drafter.admit`` / ``free``: a draft model prefills the prompt into the
+same slot of its own cache). Greedy only: acceptance compares drafts with the argmax (sampling
+would need rejection sampling against the drafter's probabilities). The verify's GEMMs run
+with ``bucket * T`` rows, so between a speculative and a plain engine the across-buckets caveat
+above holds: identical greedy tokens in the fp32 tests, a near-tie may flip in bf16.
+
+Counters: ``steps`` (decode steps), ``row_steps`` (active requests summed over steps) and
+``accepted_tokens`` (their accepted counts summed, a finishing request's surplus included);
+``tokens_per_step`` (the mean accepted length, 1 for plain decoding) and
+``mean_drafts_accepted`` (``tokens_per_step - 1``) derive from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
 from .base import HybridModel, ServingCache
+
+if TYPE_CHECKING:
+    from .speculative import Drafter, SpeculativeDecoder
 
 __all__ = ["DEFAULT_BUCKETS", "Engine", "Request", "StepRunner"]
 
@@ -58,7 +84,8 @@ class Request:
     generated: int = 0              # new tokens so far (the prefill's first one included)
     tokens: list[int] | None = None  # the new tokens, set when done
     # Engine.steps when submitted, and the index of the step() call that admitted / finished it
-    # (a request admitted at step i with n new tokens finishes at step i + n - 2, or i if n = 1).
+    # (plain decoding: a request admitted at step i with n new tokens finishes at step
+    # i + n - 2, or i if n = 1; speculative steps may finish it sooner).
     submitted_step: int = 0
     admitted_step: int | None = None
     finished_step: int | None = None
@@ -127,6 +154,10 @@ class StepRunner:
         else:
             self.eager_step()
 
+    def gained(self, rows: int) -> list[int]:
+        """Tokens each of rows 0..rows-1 gained in the last run: one (known without a sync)."""
+        return [1] * rows
+
     def release(self) -> None:
         """Drops the captured graph (its memory returns to the pool)."""
         self.graph = None
@@ -137,10 +168,14 @@ class Engine:
 
     ``buckets``: the batch sizes a step may run at (a step runs at the smallest one that holds
     its active rows); sizes past the cache's capacity are dropped and the first size that holds
-    ``capacity`` rows is kept. ``cuda_graphs``: capture each bucket's step (default: on CUDA)."""
+    ``capacity`` rows is kept. ``cuda_graphs``: capture each bucket's step (default: on CUDA).
+    ``drafter`` (a :class:`~replayssm.models.speculative.Drafter`) and ``spec_tokens`` (T, the
+    verify window, 1 < T <= the cache's ``max_spec_tokens``): speculative decoding, greedy
+    (module doc); without them (T = 1) plain decoding."""
 
     def __init__(self, model: HybridModel, cache: ServingCache,
-                 buckets: Iterable[int] = DEFAULT_BUCKETS, cuda_graphs: bool | None = None) -> None:
+                 buckets: Iterable[int] = DEFAULT_BUCKETS, cuda_graphs: bool | None = None,
+                 drafter: "Drafter | None" = None, spec_tokens: int = 1) -> None:
         sizes = sorted({int(b) for b in buckets})
         if not sizes or sizes[0] < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {sizes}")
@@ -159,6 +194,9 @@ class Engine:
         self._runner: StepRunner | None = None  # the bucket the current rows are laid out in
         self._next_id = 0
         self.steps = 0  # decode steps run so far
+        self.row_steps = self.accepted_tokens = 0  # module doc, "Counters"
+        self.drafter, self.spec_tokens = drafter, spec_tokens
+        self._decoder = self._speculative_decoder()
 
     @property
     def pending(self) -> int:
@@ -169,6 +207,16 @@ class Engine:
     def active(self) -> list[Request]:
         return list(self._active)
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens an active request gained per step, on average (0 before any step)."""
+        return self.accepted_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def mean_drafts_accepted(self) -> float:
+        """Drafts accepted per active request and step, on average (0 before any step)."""
+        return self.tokens_per_step - 1 if self.row_steps else 0.0
+
     def submit(self, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int) -> Request:
         """Queues a request; it is admitted at the next step with a free slot."""
         prompt = torch.as_tensor(prompt).detach().to("cpu")
@@ -178,10 +226,11 @@ class Engine:
                              f"{prompt.dtype} {tuple(prompt.shape)}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        total = prompt.numel() + max_new_tokens
-        if total > self.cache.max_seq_len:
-            raise ValueError(f"{prompt.numel()} prompt + {max_new_tokens} new tokens exceed the "
-                             f"cache's max_seq_len ({self.cache.max_seq_len})")
+        drafts = self.spec_tokens - 1  # positions the last window writes past the end
+        if prompt.numel() + max_new_tokens + drafts > self.cache.max_seq_len:
+            raise ValueError(f"{prompt.numel()} prompt + {max_new_tokens} new tokens"
+                             + (f" + {drafts} draft positions" if drafts else "")
+                             + f" exceed the cache's max_seq_len ({self.cache.max_seq_len})")
         request = Request(self._next_id, prompt.long(), int(max_new_tokens),
                           submitted_step=self.steps)
         self._next_id += 1
@@ -189,8 +238,9 @@ class Engine:
         return request
 
     def step(self) -> list[Request]:
-        """Admits what fits, decodes one token for every active request; returns the requests
-        that finished in this step (admitted ones with max_new_tokens 1 included)."""
+        """Admits what fits, decodes one token (speculative: a window, 1 to T tokens) for every
+        active request; returns the requests that finished in this step (admitted ones with
+        max_new_tokens 1 included)."""
         finished: list[Request] = []
         changed = False
         index = self.steps
@@ -207,8 +257,12 @@ class Engine:
                 self._lay_out()
             self._runner.run()
             self.steps += 1
-            for request in self._active:
-                request.generated += 1
+            gained = self._runner.gained(len(self._active))
+            self.row_steps += len(gained)
+            self.accepted_tokens += sum(gained)
+            for request, n in zip(self._active, gained):
+                # Tokens past max_new_tokens are dropped (module doc, "Speculative decoding").
+                request.generated = min(request.generated + n, request.max_new_tokens)
             done = [r for r in self._active if r.generated == r.max_new_tokens]
             if done:
                 self._active = [r for r in self._active if r.generated < r.max_new_tokens]
@@ -228,10 +282,16 @@ class Engine:
         return finished
 
     def runner(self, batch: int) -> StepRunner:
-        """The step of the bucket ``batch`` (created on first use)."""
+        """The step of the bucket ``batch`` (created on first use): a :class:`StepRunner`, or
+        for a speculative engine a :class:`~replayssm.models.speculative.SpecRunner`."""
         if batch not in self._runners:
-            self._runners[batch] = StepRunner(self.model, self.cache, self.history, batch,
-                                              self.cuda_graphs, self._pool)
+            if self._decoder is None:
+                runner = StepRunner(self.model, self.cache, self.history, batch,
+                                    self.cuda_graphs, self._pool)
+            else:
+                from .speculative import SpecRunner  # speculative.py imports this module
+                runner = SpecRunner(self._decoder, batch, self.cuda_graphs, pool=self._pool)
+            self._runners[batch] = runner
         return self._runners[batch]
 
     # ---- internals ----------------------------------------------------------------------------
@@ -243,7 +303,20 @@ class Engine:
         logits = self.model.prefill(self.cache, slot, prompt)
         self.history[slot, :n] = prompt
         self.history[slot, n] = logits[-1].argmax()
+        if self.drafter is not None:
+            self.drafter.admit(slot, prompt)
         request.slot, request.generated, request.admitted_step = slot, 1, index
+
+    def _speculative_decoder(self) -> "SpeculativeDecoder | None":
+        """The speculative step over this engine's history (None: plain decoding); refuses a
+        drafter without drafts to make (the decoder refuses the other bad arguments)."""
+        if self.spec_tokens == 1:
+            if self.drafter is not None:
+                raise ValueError("a drafter needs a window of spec_tokens > 1 tokens, got 1")
+            return None
+        from .speculative import SpeculativeDecoder  # speculative.py imports this module
+        return SpeculativeDecoder(self.model, self.cache, self.drafter, self.spec_tokens,
+                                  history=self.history)
 
     def _lay_out(self) -> None:
         """The active requests' slots as rows 0..n-1 of the smallest bucket holding them."""
@@ -263,5 +336,7 @@ class Engine:
             n = request.prompt.numel()
             request.tokens = tokens[i, n:n + request.max_new_tokens].tolist()
             request.finished_step = index
+            if self.drafter is not None:
+                self.drafter.free(request.slot)
             self.cache.free(request.slot)
             request.slot = None

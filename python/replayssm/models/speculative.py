@@ -198,20 +198,28 @@ class GenerateResult:
 
 class SpeculativeDecoder:
     """Greedy speculative decoding of ``model`` over ``cache`` with windows of ``window``
-    tokens (the pending token and window - 1 drafts from ``drafter``; module doc)."""
+    tokens (the pending token and window - 1 drafts from ``drafter``; module doc).
+    ``history``: the token streams to read and write (int64 [capacity + 1, max_seq_len] on the
+    cache's device), such as an :class:`~replayssm.models.engine.Engine`'s; default: new ones."""
 
     def __init__(self, model: HybridModel, cache: ServingCache, drafter: Drafter | None,
-                 window: int) -> None:
+                 window: int, history: torch.Tensor | None = None) -> None:
         if window < 1:
-            raise ValueError(f"window must be positive, got {window}")
+            raise ValueError(f"a window holds T >= 1 tokens, got T = {window}")
         if window > cache.max_window:
             raise ValueError(f"a window of {window} tokens exceeds the cache's max_spec_tokens "
                              f"({cache.max_spec_tokens})")
         if drafter is None and window > 1:
             raise ValueError("a window of more than one token needs a drafter")
+        shape = (cache.capacity + 1, cache.max_seq_len)
+        if history is not None and (tuple(history.shape) != shape
+                                    or history.dtype != torch.int64
+                                    or history.device != cache.device):
+            raise ValueError(f"history must be int64 {list(shape)} on {cache.device}, got "
+                             f"{history.dtype} {list(history.shape)} on {history.device}")
         self.model, self.cache, self.drafter, self.window = model, cache, drafter, window
-        self.history = torch.zeros(cache.capacity + 1, cache.max_seq_len, dtype=torch.int64,
-                                   device=cache.device)
+        self.history = torch.zeros(shape, dtype=torch.int64, device=cache.device) \
+            if history is None else history
         self._offsets = torch.arange(1, window + 1, device=cache.device)
         if drafter is not None:
             drafter.check(self)
@@ -326,3 +334,8 @@ class SpecRunner(StepRunner):
     def eager_step(self) -> None:
         forced = None if self.forced is None else self.forced()
         self.accepted.copy_(self.decoder.step(self.slot_ids, forced))
+
+    def gained(self, rows: int) -> list[int]:
+        """The last run's accepted counts of rows 0..rows-1: a copy to the host, which waits for
+        the step (the engine needs them to know which requests finished)."""
+        return self.accepted[:rows].tolist()
