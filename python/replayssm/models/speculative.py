@@ -24,7 +24,9 @@ On the device. The step (draft, decode, argmax, accept, commit, write ``p_0 .. p
 positions L + 1 .. L + T, the ones past the new pending token being overwritten later) reads no
 value on the host and has no data-dependent shape, so :class:`SpecRunner` captures it in a CUDA
 graph, drafter included. Rows accept different counts; pad rows (slot -1) touch only the
-scratch row. ``generate`` reads the lengths once per step to retire finished rows.
+scratch row. ``generate`` reads the lengths once per step to retire finished rows; it decodes
+a fixed set of prompts. Under continuous batching, ``Engine(..., drafter, spec_tokens=T)`` runs
+the same step over the engine's history, a SpecRunner per batch bucket (engine.py).
 
 Drafters propose the T - 1 drafts of every row from the history (:class:`Drafter`):
 
