@@ -190,8 +190,7 @@ def test_bad_arguments_are_refused(kwargs, message):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family, mode", [(f, m) for f in FAMILIES for m in MODES])
 def test_cuda_graph_speculative_engine_gives_the_plain_tokens(family, mode):
     """fp32 on the GPU: each bucket's speculative step (drafter included) a CUDA graph, against
     the plain engine there (its steps graphs too)."""
