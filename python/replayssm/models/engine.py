@@ -41,6 +41,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .base import HybridModel, ServingCache
+from .prefix_cache import PrefixCache
 
 __all__ = ["DEFAULT_BUCKETS", "Engine", "Request", "StepRunner"]
 
@@ -137,10 +138,16 @@ class Engine:
 
     ``buckets``: the batch sizes a step may run at (a step runs at the smallest one that holds
     its active rows); sizes past the cache's capacity are dropped and the first size that holds
-    ``capacity`` rows is kept. ``cuda_graphs``: capture each bucket's step (default: on CUDA)."""
+    ``capacity`` rows is kept. ``cuda_graphs``: capture each bucket's step (default: on CUDA).
+    ``prefix_cache``: a :class:`PrefixCache` of ``cache``; admitting a request then restores
+    the longest cached block prefix of its prompt and prefills only the rest."""
 
     def __init__(self, model: HybridModel, cache: ServingCache,
-                 buckets: Iterable[int] = DEFAULT_BUCKETS, cuda_graphs: bool | None = None) -> None:
+                 buckets: Iterable[int] = DEFAULT_BUCKETS, cuda_graphs: bool | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        if prefix_cache is not None and prefix_cache.cache is not cache:
+            raise ValueError("prefix_cache must be a PrefixCache of this engine's cache")
+        self.prefix_cache = prefix_cache
         sizes = sorted({int(b) for b in buckets})
         if not sizes or sizes[0] < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {sizes}")
@@ -240,7 +247,10 @@ class Engine:
         slot = self.cache.allocate()
         n = request.prompt.numel()
         prompt = request.prompt.to(self.cache.device)
-        logits = self.model.prefill(self.cache, slot, prompt)
+        if self.prefix_cache is None:
+            logits = self.model.prefill(self.cache, slot, prompt)
+        else:  # restores the longest cached block prefix, prefills the rest
+            logits = self.prefix_cache.prefill(self.model, slot, prompt)
         self.history[slot, :n] = prompt
         self.history[slot, n] = logits[-1].argmax()
         request.slot, request.generated, request.admitted_step = slot, 1, index
