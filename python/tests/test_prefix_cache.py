@@ -350,3 +350,23 @@ def test_bad_input_is_refused_with_nothing_changed():
     assert prefix.lookups == 0 and len(prefix) == 0
     after = (cache.lengths, cache.conv, cache.k, cache.v)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# ---- the benchmark's code path ----------------------------------------------------------------
+
+def test_bench_prefix_runs_at_a_tiny_layout(tmp_path):
+    """python -m replayssm.bench_prefix on the tiny layouts (CPU): one row per layout, a hit of
+    every whole block but the last token's, the hit's last logits those of the whole prefill."""
+    import json
+
+    from replayssm import bench_prefix
+
+    out = tmp_path / "prefix.json"
+    assert bench_prefix.main(["--layouts", "nemotron-tiny", "qwen3.5-tiny", "--prompt", "40",
+                              "--block", "8", "--repeats", "1", "--device", "cpu",
+                              "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["nemotron-tiny", "qwen3.5-tiny"]
+    for r in rows:
+        assert r["hit_tokens"] == 32 and r["entries"] == 5
+        assert r["prefill_ms"] > 0 and r["hit_ms"] > 0 and r["last_logits_rel_err"] <= 1e-4
