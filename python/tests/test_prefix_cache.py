@@ -36,6 +36,12 @@ BLOCK = {"nemotron": 8, "qwen": 16}
 FP32_STATE = {"eager-fp32", "replay-fp32", "replay-fp32+bf16", "replay-fp32+fp8"}
 TOL_FP32_STATE = 5e-5
 TOL_BF16_STATE = 2e-3
+
+
+def tolerance(mode):
+    return TOL_FP32_STATE if mode.split(":")[0] in FP32_STATE else TOL_BF16_STATE
+
+
 MODES = ["eager-fp32", "eager-bf16", "replay-fp32:4", "replay-bf16:4", "replay-fp32+bf16:4",
          "replay-fp32+fp8:4"]
 
@@ -76,7 +82,7 @@ def test_prefill_in_pieces_equals_one_prefill_and_decodes_on_alike(models, famil
     got = torch.cat([model.prefill(pieces, b, prompt[s:e], start=s)
                      for s, e in zip(cuts, cuts[1:])])
     assert int(pieces.lengths[b]) == 70
-    tol = TOL_FP32_STATE if mode.split(":")[0] in FP32_STATE else TOL_BF16_STATE
+    tol = tolerance(mode)
     assert mu.rel_err(got, ref) <= tol
     token = ref[-1].argmax()[None]
     for _ in range(8):
@@ -178,7 +184,7 @@ def test_a_hit_continues_like_one_prefill(models, family, mode):
     got = prefix.prefill(model, slot, second)
     assert prefix.hit_tokens == 32 and int(cache.lengths[slot]) == second.numel()
     ref = model.prefill(whole, ref_slot, second)
-    tol = TOL_FP32_STATE if mode.split(":")[0] in FP32_STATE else TOL_BF16_STATE
+    tol = tolerance(mode)
     assert mu.rel_err(got, ref[32:]) <= tol
     token = ref[-1].argmax()[None]
     for _ in range(6):

@@ -14,8 +14,9 @@ A stack of pre-norm residual blocks, one mixer each, in the order of the layer p
 - RMSNorm (fp32 statistics) before each mixer and at the end (``norm_f``), then ``lm_head``.
 
 Prefill runs the SSM by a chunked scan in fp32 (below), from the slot's state when it continues
-one, and loads each layer's final state into the state cache; decode runs ``replayssm.mamba2_decode``, which applies the gate: its
-``(y + D x) * silu(z)`` is the gated norm's input, so only the group RMSNorm stays in torch.
+one, and loads each layer's final state into the state cache; decode runs
+``replayssm.mamba2_decode``, which applies the gate: its ``(y + D x) * silu(z)`` is the gated
+norm's input, so only the group RMSNorm stays in torch.
 
 One difference transformers has between its own two paths is kept: its prefill clamps the
 softplus'd dt at ``time_step_min`` (the mixer's ``time_step_limit``), its decode does not
