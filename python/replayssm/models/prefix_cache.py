@@ -202,9 +202,11 @@ class PrefixCache:
             span = slice(end - self.block, end)
             self._entries[keys[i]] = _Entry(
                 parent=keys[i - 1] if i else None,
-                ssm=self._copy(torch.stack([ctx.states[layer][j] for layer in layers])),
-                conv=self._copy(torch.stack([ctx.conv_windows[layer][j] for layer in layers])),
-                k=self._copy(cache.k[:, slot, :, span]), v=self._copy(cache.v[:, slot, :, span]))
+                # stack copies already; the KV rows are views of the slot's.
+                ssm=torch.stack([ctx.states[layer][j] for layer in layers]).to(self.device),
+                conv=torch.stack([ctx.conv_windows[layer][j] for layer in layers]).to(self.device),
+                k=cache.k[:, slot, :, span].to(self.device, copy=True),
+                v=cache.v[:, slot, :, span].to(self.device, copy=True))
             self.inserts += 1
         self._touch(chain)
 
@@ -225,6 +227,3 @@ class PrefixCache:
             del self._entries[victim]
             self.evictions += 1
         return True
-
-    def _copy(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, copy=True)
