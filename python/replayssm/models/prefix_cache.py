@@ -21,9 +21,8 @@ an empty ring; any state mode), the conv window into the ring rows of its positi
 m blocks: their GEMMs (O(m block) tokens through every layer), attention over them and the
 scans; what it costs is copying the entries in (per block the SSM state dominates: for
 Nemotron-3-Nano-4B at block 64, 21 layers x 3.9 MB = 82 MB of fp32 state against 1.2 MB of
-bf16 conv windows and 1 MB of bf16 KV rows). The
-hit never covers a whole prompt: at least its last token is prefilled, which gives the first new
-token's logits.
+bf16 conv windows and 1 MB of bf16 KV rows). The hit never covers a whole prompt: at least its
+last token is prefilled, which gives the first new token's logits.
 
 Entries live on the ``device`` given, by default the serving cache's: on a GPU restoring is then
 a device-to-device copy (no PCIe transfer of 82 MB a hit), and the byte budget caps the memory it
