@@ -147,8 +147,9 @@ class PrefillContext:
     positions [start, start + n). With ``block`` > 0 (start a multiple of it) the SSM mixers
     keep, at every boundary p = start + block, start + 2 block, ... <= start + n, each SSM
     layer's fp32 state after position p - 1 and the conv inputs of positions [p - kernel + 1, p)
-    (zeros before position 0): what a prefix-cache entry needs beside the KV rows, taken from
-    the chunked scans' chunk ends (chunks divide the block: :meth:`chunk`), with no second pass.
+    (zeros before position 0): what a prefix-cache entry needs beside the KV rows (those are
+    the slot's own, rows [0, p)), taken from the chunked scans' chunk ends (chunks divide the
+    block: :meth:`chunk`), with no second pass.
     """
 
     slot: int
