@@ -5,6 +5,7 @@
     cache = models.ServingCache(model, capacity=64, max_seq_len=4096, mode="replay-fp32")
     slot = cache.allocate()
     logits = model.prefill(cache, slot, prompt)              # [n, vocab]
+    logits = model.prefill(cache, slot, more, start=len(prompt))  # continues the slot
     logits = model.step(cache, slot_ids, next_tokens)        # [B, vocab], capturable
 
 ``base`` holds the interface and what the families share; each family (``nemotron_h``, ...)
@@ -20,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, StateMode
+from .base import CacheLayout, DecodeContext, HybridModel, PrefillContext, ServingCache, StateMode
 
-__all__ = ["CacheLayout", "DecodeContext", "FAMILIES", "HybridModel", "ServingCache",
-           "StateMode", "family", "load"]
+__all__ = ["CacheLayout", "DecodeContext", "FAMILIES", "HybridModel", "PrefillContext",
+           "ServingCache", "StateMode", "family", "load"]
 
 #: config.json's ``model_type`` -> "module:class" of the family's HybridModel.
 FAMILIES = {

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import re
 from typing import Any, Callable
 
@@ -37,8 +38,8 @@ from . import fused
 from .attention import decode_attention
 from .loader import check_tensors, read_config, read_tensors
 
-__all__ = ["CacheLayout", "DecodeContext", "HybridModel", "ServingCache", "StateMode",
-           "causal_attention", "weight_constant"]
+__all__ = ["CacheLayout", "DecodeContext", "HybridModel", "PrefillContext", "ServingCache",
+           "StateMode", "causal_attention", "weight_constant"]
 
 _EAGER_PRECISIONS = ("fp32", "bf16")
 _REPLAY_PRECISIONS = ("fp32", "bf16", "fp32+bf16", "fp32+fp8")
@@ -138,6 +139,41 @@ class DecodeContext:
     T: int
 
 
+@dataclasses.dataclass
+class PrefillContext:
+    """One prefill call: its slot and positions, and what it keeps at block boundaries.
+
+    The slot already holds positions [0, start) (SSM state, conv ring, KV rows); the call runs
+    positions [start, start + n). With ``block`` > 0 (start a multiple of it) the SSM mixers
+    keep, at every boundary p = start + block, start + 2 block, ... <= start + n, each SSM
+    layer's fp32 state after position p - 1 and the conv inputs of positions [p - kernel + 1, p)
+    (zeros before position 0): what a prefix-cache entry needs beside the KV rows (those are
+    the slot's own, rows [0, p)), taken from the chunked scans' chunk ends (chunks divide the
+    block: :meth:`chunk`), with no second pass.
+    """
+
+    slot: int
+    start: int
+    n: int
+    block: int = 0
+    #: SSM layer -> fp32 [len(boundaries), *state_shape]
+    states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: SSM layer -> [len(boundaries), kernel - 1, conv_channels] (activations dtype)
+    conv_windows: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def boundaries(self) -> range:
+        """The block boundaries this prefill passes (empty without ``block``)."""
+        if not self.block:
+            return range(0)
+        return range(self.start + self.block, self.start + self.n + 1, self.block)
+
+    def chunk(self, native: int) -> int:
+        """The scan's chunk length: the family's own, or with ``block`` its largest divisor
+        that also divides the block, so that chunk ends fall on every boundary."""
+        return math.gcd(native, self.block) if self.block else native
+
+
 class ServingCache:
     """Everything ``model`` keeps per sequence, slot-indexed, on the model's device.
 
@@ -201,14 +237,27 @@ class ServingCache:
         self.ssm.free(slot)
         self.lengths[slot] = 0
 
-    def check_prompt(self, slot: int, tokens: torch.Tensor) -> None:
-        """Refuses a prefill of ``tokens`` into ``slot`` that this cache cannot hold."""
+    def prefill_context(self, slot: int, tokens: torch.Tensor, start: int = 0,
+                        block: int = 0) -> PrefillContext:
+        """The context of a prefill of ``tokens`` (int64 [n]) at positions [start, start + n)
+        into ``slot``; refuses one this cache cannot hold or that does not continue the slot
+        (its committed length must be ``start``: a host read of one value)."""
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"a prompt is a non-empty int64 [n], got {tuple(tokens.shape)}")
-        if tokens.numel() > self.max_seq_len:
-            raise ValueError(f"a prompt of {tokens.numel()} tokens exceeds max_seq_len "
-                             f"({self.max_seq_len})")
+        if start < 0:
+            raise ValueError(f"a prefill starts at a position >= 0, got {start}")
+        if start + tokens.numel() > self.max_seq_len:
+            raise ValueError(f"a prompt of {tokens.numel()} tokens from position {start} "
+                             f"exceeds max_seq_len ({self.max_seq_len})")
+        if block < 0 or (block and start % block):
+            raise ValueError(f"block states need a block size >= 1 and a start that is a "
+                             f"multiple of it, got block {block}, start {start}")
         self._check_slot(slot)
+        held = int(self.lengths[slot])
+        if held != start:
+            raise ValueError(f"slot {slot} holds {held} positions; a prefill continuing it "
+                             f"starts there, not at {start}")
+        return PrefillContext(slot, start, tokens.numel(), block)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or not self.ssm.is_allocated(slot):
@@ -249,19 +298,49 @@ class ServingCache:
 
     # ---- causal conv1d ------------------------------------------------------------------------
 
-    def conv_prefill(self, layer: int, slot: int, x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
-        """The causal conv1d of a fresh slot's prompt ``x`` [n, C] (zeros before position 0)
-        with ``weight`` [C, kernel]; keeps the prompt's last inputs in the slot's ring.
+    def conv_prefill(self, layer: int, ctx: PrefillContext, x: torch.Tensor,
+                     weight: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str | None = "silu") -> torch.Tensor:
+        """The causal conv1d of a prefill's inputs ``x`` [n, C] at positions [start, start + n)
+        with ``weight`` [C, kernel], after the slot's last kernel - 1 inputs (zeros before
+        position 0; a fresh slot's ring is emptied first); keeps the last inputs in the slot's
+        ring and, with ``ctx.block``, the window before each boundary in ``ctx``.
         Returns [n, C] in x's dtype."""
         n, K = x.shape[0], weight.shape[-1]
-        out = F.conv1d(x.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias,
-                       padding=K - 1, groups=x.shape[1])[0, :, :n]
+        ring = self.conv[layer, ctx.slot]
+        if ctx.start == 0:
+            ring.zero_()
+        # Positions start - K + 1 .. start - 1; those before 0 read never-written (zero) rows.
+        past = torch.arange(ctx.start - (K - 1), ctx.start, device=x.device)
+        inputs = torch.cat([ring[past % self.conv_ring].to(x.dtype), x])   # [K - 1 + n, C]
+        out = F.conv1d(inputs.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias,
+                       groups=x.shape[1])[0]
         keep = min(n, self.conv_ring)
-        ring = self.conv[layer, slot]
-        ring.zero_()
-        ring[torch.arange(n - keep, n, device=x.device) % self.conv_ring] = x[n - keep:].to(ring.dtype)
+        written = torch.arange(ctx.start + n - keep, ctx.start + n, device=x.device)
+        ring[written % self.conv_ring] = x[n - keep:].to(ring.dtype)
+        if ctx.block:
+            # inputs[i] is position start - K + 1 + i: the window before p starts at p - start.
+            ends = torch.tensor(list(ctx.boundaries), dtype=torch.long, device=x.device)
+            taps = torch.arange(K - 1, device=x.device)
+            ctx.conv_windows[layer] = inputs[ends[:, None] - ctx.start + taps].to(ring.dtype)
         return _activate(out, activation).t().to(x.dtype)
+
+    # ---- SSM state across a prefill -----------------------------------------------------------
+
+    def ssm_prefill_state(self, layer: int, ctx: PrefillContext) -> torch.Tensor | None:
+        """The fp32 state a prefill's scan starts from: None (zeros) for a fresh slot, else
+        the state the slot holds (export_state: a replay cache folds first; a bf16 state or
+        checkpoint comes back as it is stored, rounded)."""
+        return None if ctx.start == 0 else self.ssm.export_state(layer, ctx.slot)
+
+    def ssm_prefill_end(self, layer: int, ctx: PrefillContext, state: torch.Tensor,
+                        kept: list[torch.Tensor]) -> None:
+        """Loads a prefill's final fp32 ``state`` into the slot (the prefill hand-off) and keeps
+        the block-boundary states ``kept`` in ``ctx``."""
+        self.ssm.load_state(layer, ctx.slot, state)
+        if ctx.block:
+            ctx.states[layer] = (torch.stack(kept) if kept else
+                                 state.new_empty(0, *state.shape))
 
     def conv_decode(self, layer: int, ctx: DecodeContext, x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, activation: str | None = "silu",
@@ -282,11 +361,18 @@ class ServingCache:
 
     # ---- attention ----------------------------------------------------------------------------
 
-    def kv_prefill(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes a prompt's keys and values [n, kv_heads, head_dim] at positions [0, n)."""
-        n = k.shape[0]
-        self.k[layer, slot, :, :n] = k.transpose(0, 1).to(self.dtype)
-        self.v[layer, slot, :, :n] = v.transpose(0, 1).to(self.dtype)
+    def kv_prefill(self, layer: int, ctx: PrefillContext, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes a prefill's keys and values [n, kv_heads, head_dim] at positions
+        [start, start + n); returns the keys and values [start + n, kv_heads, head_dim] its
+        queries attend over (the slot's earlier ones read back from the cache)."""
+        end = ctx.start + k.shape[0]
+        self.k[layer, ctx.slot, :, ctx.start:end] = k.transpose(0, 1).to(self.dtype)
+        self.v[layer, ctx.slot, :, ctx.start:end] = v.transpose(0, 1).to(self.dtype)
+        if ctx.start == 0:
+            return k, v
+        return (self.k[layer, ctx.slot, :, :end].transpose(0, 1).to(k.dtype),
+                self.v[layer, ctx.slot, :, :end].transpose(0, 1).to(v.dtype))
 
     def kv_decode(self, layer: int, ctx: DecodeContext, k: torch.Tensor,
                   v: torch.Tensor) -> None:
@@ -341,11 +427,18 @@ def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """A prompt's causal self-attention: q [n, Hq, D], k, v [n, Hkv, D] (GQA) -> [n, Hq, D]."""
+    """Causal self-attention of a prefill: q [n, Hq, D] at the last n of the m positions of
+    k, v [m, Hkv, D] (GQA; m >= n: a prefill continuing a slot attends over its earlier keys
+    too) -> [n, Hq, D]."""
+    n, m = q.shape[0], k.shape[0]
     rep = q.shape[1] // k.shape[1]
+    mask = None
+    if m != n:  # query i sits at position m - n + i
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(rep, dim=1).transpose(0, 1),
-        v.repeat_interleave(rep, dim=1).transpose(0, 1), is_causal=True, scale=scale)
+        v.repeat_interleave(rep, dim=1).transpose(0, 1), attn_mask=mask, is_causal=mask is None,
+        scale=scale)
     return out.transpose(0, 1)
 
 
@@ -407,16 +500,34 @@ class HybridModel(torch.nn.Module, abc.ABC):
         rotary tables, last), which calls the mixer's ``prefill`` or ``decode``."""
 
     @torch.no_grad()
-    def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-        """The whole prompt ``tokens`` (int64 [n]) of a freshly allocated slot: fills its KV rows
-        [0, n), conv ring and SSM state (loaded into ``cache.ssm``), sets ``lengths[slot] = n``;
-        returns the logits [n, vocab] (float32)."""
-        cache.check_prompt(slot, tokens)
+    def prefill(self, cache: ServingCache, slot: int, tokens: torch.Tensor,
+                start: int = 0) -> torch.Tensor:
+        """Prefills ``tokens`` (int64 [n]) at positions [start, start + n) of ``slot``, which
+        holds positions [0, start) (0: a freshly allocated slot; else after an earlier prefill,
+        decode steps or a prefix-cache restore): the scans start from the slot's state, the conv
+        from its ring, attention covers its KV rows. Fills KV rows [start, start + n), the conv
+        ring and the SSM state (loaded into ``cache.ssm``), sets ``lengths[slot] = start + n``;
+        returns the logits [n, vocab] (float32). Prefilling a prompt in pieces equals one
+        prefill of it, up to the fp32 scans' rounding (and a bf16 state's rounding at each
+        piece's end, where the slot keeps the state in bf16)."""
+        return self._prefill(cache, cache.prefill_context(slot, tokens, start), tokens)
+
+    @torch.no_grad()
+    def prefill_blocks(self, cache: ServingCache, slot: int, tokens: torch.Tensor, block: int,
+                       start: int = 0) -> tuple[torch.Tensor, PrefillContext]:
+        """:meth:`prefill` (``start`` a multiple of ``block``) that also keeps every SSM layer's
+        state and conv window at each block boundary it passes (``PrefillContext.states``,
+        ``conv_windows``): returns the logits and the context."""
+        ctx = cache.prefill_context(slot, tokens, start, block)
+        return self._prefill(cache, ctx, tokens), ctx
+
+    def _prefill(self, cache: ServingCache, ctx: PrefillContext,
+                 tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(cache.device)
-        positions = torch.arange(tokens.numel(), device=tokens.device)
+        positions = torch.arange(ctx.start, ctx.start + ctx.n, device=tokens.device)
         logits = self._stack(tokens, positions, lambda mixer, layer, x, *extra:
-                             mixer.prefill(cache, layer, slot, x, *extra))
-        cache.lengths[slot] = tokens.numel()
+                             mixer.prefill(cache, layer, ctx, x, *extra))
+        cache.lengths[ctx.slot] = ctx.start + ctx.n
         return logits.float()
 
     @torch.no_grad()

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 
 from .base import HybridModel, ServingCache
+from .prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from .speculative import Drafter, SpeculativeDecoder
@@ -171,11 +172,17 @@ class Engine:
     ``capacity`` rows is kept. ``cuda_graphs``: capture each bucket's step (default: on CUDA).
     ``drafter`` (a :class:`~replayssm.models.speculative.Drafter`) and ``spec_tokens`` (T, the
     verify window, 1 < T <= the cache's ``max_spec_tokens``): speculative decoding, greedy
-    (module doc); without them (T = 1) plain decoding."""
+    (module doc); without them (T = 1) plain decoding. ``prefix_cache``: a
+    :class:`PrefixCache` of ``cache``; admitting a request then restores the longest cached
+    block prefix of its prompt and prefills only the rest."""
 
     def __init__(self, model: HybridModel, cache: ServingCache,
                  buckets: Iterable[int] = DEFAULT_BUCKETS, cuda_graphs: bool | None = None,
-                 drafter: "Drafter | None" = None, spec_tokens: int = 1) -> None:
+                 drafter: "Drafter | None" = None, spec_tokens: int = 1,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        if prefix_cache is not None and prefix_cache.cache is not cache:
+            raise ValueError("prefix_cache must be a PrefixCache of this engine's cache")
+        self.prefix_cache = prefix_cache
         sizes = sorted({int(b) for b in buckets})
         if not sizes or sizes[0] < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {sizes}")
@@ -300,7 +307,10 @@ class Engine:
         slot = self.cache.allocate()
         n = request.prompt.numel()
         prompt = request.prompt.to(self.cache.device)
-        logits = self.model.prefill(self.cache, slot, prompt)
+        if self.prefix_cache is None:
+            logits = self.model.prefill(self.cache, slot, prompt)
+        else:  # restores the longest cached block prefix, prefills the rest
+            logits = self.prefix_cache.prefill(self.model, slot, prompt)
         self.history[slot, :n] = prompt
         self.history[slot, n] = logits[-1].argmax()
         if self.drafter is not None:

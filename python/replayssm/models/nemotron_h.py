@@ -13,9 +13,10 @@ A stack of pre-norm residual blocks, one mixer each, in the order of the layer p
 - MLP: ``down_proj(relu(up_proj(x))^2)``.
 - RMSNorm (fp32 statistics) before each mixer and at the end (``norm_f``), then ``lm_head``.
 
-Prefill runs the SSM by a chunked scan in fp32 (below) and loads each layer's final state into
-the state cache; decode runs ``replayssm.mamba2_decode``, which applies the gate: its
-``(y + D x) * silu(z)`` is the gated norm's input, so only the group RMSNorm stays in torch.
+Prefill runs the SSM by a chunked scan in fp32 (below), from the slot's state when it continues
+one, and loads each layer's final state into the state cache; decode runs
+``replayssm.mamba2_decode``, which applies the gate: its ``(y + D x) * silu(z)`` is the gated
+norm's input, so only the group RMSNorm stays in torch.
 
 One difference transformers has between its own two paths is kept: its prefill clamps the
 softplus'd dt at ``time_step_min`` (the mixer's ``time_step_limit``), its decode does not
@@ -35,8 +36,8 @@ from torch import nn
 import replayssm
 
 from . import fused
-from .base import (CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention,
-                   weight_constant)
+from .base import (CacheLayout, DecodeContext, HybridModel, PrefillContext, ServingCache,
+                   causal_attention, weight_constant)
 
 __all__ = ["NemotronHConfig", "NemotronHModel", "ssd_chunk_scan"]
 
@@ -194,16 +195,22 @@ class NemotronHConfig:
 # ---- the chunked scan ---------------------------------------------------------------------
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                   C: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mamba-2's SSM over a whole sequence from a zero state, in chunks (fp32):
+                   C: torch.Tensor, chunk_size: int, state: torch.Tensor | None = None,
+                   every: int = 0, kept: list[torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's SSM over a sequence from ``state`` [H, P, N] (None: zeros), in chunks (fp32):
     S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t (no D term).
 
     x [n, H, P]; dt [n, H] (after bias, softplus and clamp); A [H]; B, C [n, G, N]. Within a
     chunk the outputs are a masked product (decays exp(cum_i - cum_j) for j <= i); across chunks
-    a sequential pass carries the state. Returns y [n, H, P] and the final state [H, P, N]."""
+    a sequential pass carries the state. Returns y [n, H, P] and the final state [H, P, N].
+    With ``every`` (a multiple of ``chunk_size``) the states after tokens every, 2 every, ...
+    <= n are appended to ``kept``: the chunk ends the pass computes anyway."""
     n, H, P = x.shape
     G, N = B.shape[1:]
     Q = chunk_size
+    if every and (every % Q or kept is None):
+        raise ValueError(f"every ({every}) must be a multiple of chunk_size ({Q}), with kept")
     pad = -n % Q
     B = B.repeat_interleave(H // G, dim=1)
     C = C.repeat_interleave(H // G, dim=1)
@@ -218,11 +225,13 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     to_end = torch.exp(cum[:, -1:] - cum) * dt                            # [c, Q, H]
     chunk_states = torch.einsum("cjh,cjhp,cjhn->chpn", to_end, x, B)      # from a zero state
     chunk_decay = cum[:, -1].exp()                                        # [c, H]
-    state = x.new_zeros(H, P, N)
+    state = x.new_zeros(H, P, N) if state is None else state.to(x.dtype)
     entering = []
     for k in range(chunk_states.shape[0]):
         entering.append(state)
         state = chunk_decay[k, :, None, None] * state + chunk_states[k]
+        if every and ((k + 1) * Q) % every == 0 and (k + 1) * Q <= n:
+            kept.append(state)
     y = y + torch.einsum("cihn,chpn->cihp", C, torch.stack(entering)) * cum.exp()[..., None]
     return y.flatten(0, 1)[:n], state
 
@@ -309,16 +318,20 @@ class _Mamba2Mixer(nn.Module):
                 B.reshape(*lead, c.n_groups, c.ssm_state_size),
                 C.reshape(*lead, c.n_groups, c.ssm_state_size))
 
-    def prefill(self, cache: ServingCache, layer: int, slot: int, h: torch.Tensor) -> torch.Tensor:
+    def prefill(self, cache: ServingCache, layer: int, ctx: PrefillContext,
+                h: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         z, xbc, dt = self._split(h)
-        xbc = cache.conv_prefill(layer, slot, xbc, *self._conv_args())
+        xbc = cache.conv_prefill(layer, ctx, xbc, *self._conv_args())
         x, B, C = self._xbc(xbc)
         A = -torch.exp(self.A_log.float())
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=c.time_step_min)
-        y, state = ssd_chunk_scan(x.float(), dt, A, B.float(), C.float(), c.chunk_size)
+        kept: list[torch.Tensor] = []
+        y, state = ssd_chunk_scan(x.float(), dt, A, B.float(), C.float(),
+                                  ctx.chunk(c.chunk_size), cache.ssm_prefill_state(layer, ctx),
+                                  ctx.block, kept)
         y = y + self.D.float()[:, None] * x.float()
-        cache.ssm.load_state(layer, slot, state)
+        cache.ssm_prefill_end(layer, ctx, state, kept)
         y = self.norm(y.flatten(-2), z)
         return self.out_proj(y.to(h.dtype))
 
@@ -357,9 +370,10 @@ class _Attention(nn.Module):
         return (self.q_proj(h).unflatten(-1, (-1, D)), self.k_proj(h).unflatten(-1, (-1, D)),
                 self.v_proj(h).unflatten(-1, (-1, D)))
 
-    def prefill(self, cache: ServingCache, layer: int, slot: int, h: torch.Tensor) -> torch.Tensor:
+    def prefill(self, cache: ServingCache, layer: int, ctx: PrefillContext,
+                h: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(h)
-        cache.kv_prefill(layer, slot, k, v)
+        k, v = cache.kv_prefill(layer, ctx, k, v)
         return self.o_proj(causal_attention(q, k, v, self.scale).flatten(-2))
 
     def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext,

@@ -23,7 +23,8 @@ One decoder layer (pre-norm, residual around the mixer and around the MLP)::
 
 The recurrent state of a GDN layer is carried as the library holds it, ``[num_v_heads,
 head_v_dim, head_k_dim]`` (transformers keeps its transpose). Prefill runs the chunked form of
-the gated delta rule (:func:`gated_delta_chunked`) in fp32 and loads the final state with
+the gated delta rule (:func:`gated_delta_chunked`) in fp32, from the slot's state when it
+continues one, and loads the final state with
 ``cache.ssm.load_state``; decode calls :func:`replayssm.gdn_decode`, whose q/k contract
 (``qk_l2norm=True``: L2 norm with eps 1e-6 under the root, then ``scale`` = head_k_dim ** -0.5)
 is the one above.
@@ -43,7 +44,8 @@ from torch import nn
 import replayssm
 
 from . import fused
-from .base import CacheLayout, DecodeContext, HybridModel, ServingCache, causal_attention
+from .base import (CacheLayout, DecodeContext, HybridModel, PrefillContext, ServingCache,
+                   causal_attention)
 
 __all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
 
@@ -51,6 +53,8 @@ LINEAR, FULL = "linear_attention", "full_attention"
 #: Where a published Qwen3.5 checkpoint (the multimodal model) keeps the text decoder.
 _TOWER_PREFIX = "model.language_model."
 _LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": FULL}
+#: The prefill scan's chunk length (a prefill keeping block states takes its gcd with the block).
+_SCAN_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,7 +231,8 @@ def tiny_config(**overrides: Any) -> Qwen35Config:
 
 def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, state: torch.Tensor | None = None,
-                        chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk: int = 64, every: int = 0, kept: list[torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a whole sequence, chunk by chunk, in fp32.
 
     ``q``, ``k`` [n, H, K] (one per value head; raw: L2-normalised here, q scaled by
@@ -244,9 +249,14 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     S_C = e^(c_C) S_0 + D^T diag(e^(c_C - c)) K: one triangular solve and a few matmuls per
     chunk instead of C rank-one updates. Only differences c_i - c_j <= 0 are exponentiated
     besides e^c itself, so no factor overflows however strong the decay.
+
+    With ``every`` (a multiple of ``chunk``) the states after tokens every, 2 every, ... <= n
+    are appended to ``kept``: chunk ends the loop passes anyway.
     """
     n, H, K = k.shape
     V = v.shape[-1]
+    if every and (every % chunk or kept is None):
+        raise ValueError(f"every ({every}) must be a multiple of chunk ({chunk}), with kept")
     f32 = torch.float32
     q = _l2norm(q.to(f32)) * K ** -0.5
     k = _l2norm(k.to(f32))
@@ -275,6 +285,8 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                       + ((qc @ kc.transpose(-1, -2)) * decay) @ D).transpose(0, 1)
         last = c[:, -1:]                                             # c_C
         S = last.exp()[:, :, None] * S + D.transpose(-1, -2) @ ((last - c).exp()[:, :, None] * kc)
+        if every and s1 % every == 0:
+            kept.append(S)
     return out, S
 
 
@@ -388,18 +400,20 @@ class _GatedDeltaNet(nn.Module):
     def _conv_args(self):
         return self.conv1d.weight[:, 0], None, "silu"
 
-    def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
+    def prefill(self, cache: ServingCache, layer: int, ctx: PrefillContext, x: torch.Tensor,
                 rope: Any) -> torch.Tensor:
-        """A prompt x [n, hidden]: the chunked scan from a zero state, whose final state is
-        loaded into the slot's SSM layer ``layer`` (``rope``: the mixers' shared signature;
-        unused here)."""
-        mixed = cache.conv_prefill(layer, slot, self.in_proj_qkv(x), *self._conv_args())
+        """A prefill's x [n, hidden]: the chunked scan from the slot's state (zeros for a fresh
+        slot), whose final state is loaded into the slot's SSM layer ``layer`` (``rope``: the
+        mixers' shared signature; unused here)."""
+        mixed = cache.conv_prefill(layer, ctx, self.in_proj_qkv(x), *self._conv_args())
         q, k, v = self.split(mixed)
         g, beta = self.gates(x)
         rep = self.c.linear_num_value_heads // self.c.linear_num_key_heads
+        kept: list[torch.Tensor] = []
         o, state = gated_delta_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1),
-                                       v, g, beta)
-        cache.ssm.load_state(layer, slot, state)
+                                       v, g, beta, cache.ssm_prefill_state(layer, ctx),
+                                       ctx.chunk(_SCAN_CHUNK), ctx.block, kept)
+        cache.ssm_prefill_end(layer, ctx, state, kept)
         return self.output(o.to(x.dtype), x)
 
     def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext, x: torch.Tensor,
@@ -447,10 +461,10 @@ class _Attention(nn.Module):
         """o [..., H, hd] -> the layer output, gated by sigmoid(gate)."""
         return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
 
-    def prefill(self, cache: ServingCache, layer: int, slot: int, x: torch.Tensor,
+    def prefill(self, cache: ServingCache, layer: int, ctx: PrefillContext, x: torch.Tensor,
                 rope: Any) -> torch.Tensor:
         q, k, v, gate = self.qkv(x, *rope)
-        cache.kv_prefill(layer, slot, k, v)
+        k, v = cache.kv_prefill(layer, ctx, k, v)
         return self.output(causal_attention(q, k, v, self.c.head_dim ** -0.5), gate)
 
     def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext, x: torch.Tensor,
