@@ -319,10 +319,12 @@ class ServingCache:
         written = torch.arange(ctx.start + n - keep, ctx.start + n, device=x.device)
         ring[written % self.conv_ring] = x[n - keep:].to(ring.dtype)
         if ctx.block:
-            # inputs[i] is position start - K + 1 + i: the window before p starts at p - start.
-            ends = torch.tensor(list(ctx.boundaries), dtype=torch.long, device=x.device)
+            # inputs[i] is position start - K + 1 + i: the window before p starts at p - start,
+            # a multiple of the block (made on the device: a tensor of a host list would be a
+            # blocking copy, a stream sync per layer).
+            offsets = ctx.block * torch.arange(1, len(ctx.boundaries) + 1, device=x.device)
             taps = torch.arange(K - 1, device=x.device)
-            ctx.conv_windows[layer] = inputs[ends[:, None] - ctx.start + taps].to(ring.dtype)
+            ctx.conv_windows[layer] = inputs[offsets[:, None] + taps].to(ring.dtype)
         return _activate(out, activation).t().to(x.dtype)
 
     # ---- SSM state across a prefill -----------------------------------------------------------
