@@ -150,12 +150,18 @@ class PrefillContext:
     (zeros before position 0): what a prefix-cache entry needs beside the KV rows (those are
     the slot's own, rows [0, p)), taken from the chunked scans' chunk ends (chunks divide the
     block: :meth:`chunk`), with no second pass.
+
+    ``start_states``, when the caller holds them (a prefix-cache hit), are every SSM layer's fp32
+    state after position start - 1: the scans start from them instead of the slot's state, which
+    is then never read (on CUDA reading it is a host round trip of the whole state per layer).
     """
 
     slot: int
     start: int
     n: int
     block: int = 0
+    #: fp32 [n_ssm, *state_shape] on the cache's device, or None: the slot's own state.
+    start_states: torch.Tensor | None = None
     #: SSM layer -> fp32 [len(boundaries), *state_shape]
     states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: SSM layer -> [len(boundaries), kernel - 1, conv_channels] (activations dtype)
@@ -238,10 +244,12 @@ class ServingCache:
         self.lengths[slot] = 0
 
     def prefill_context(self, slot: int, tokens: torch.Tensor, start: int = 0,
-                        block: int = 0) -> PrefillContext:
+                        block: int = 0, start_states: torch.Tensor | None = None
+                        ) -> PrefillContext:
         """The context of a prefill of ``tokens`` (int64 [n]) at positions [start, start + n)
-        into ``slot``; refuses one this cache cannot hold or that does not continue the slot
-        (its committed length must be ``start``: a host read of one value)."""
+        into ``slot`` (``start_states``: :class:`PrefillContext`'s); refuses one this cache
+        cannot hold or that does not continue the slot (its committed length must be
+        ``start``: a host read of one value)."""
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"a prompt is a non-empty int64 [n], got {tuple(tokens.shape)}")
         if start < 0:
@@ -252,12 +260,20 @@ class ServingCache:
         if block < 0 or (block and start % block):
             raise ValueError(f"block states need a block size >= 1 and a start that is a "
                              f"multiple of it, got block {block}, start {start}")
+        if start_states is not None:
+            shape = (self.layout.num_ssm_layers, *self.ssm.config.state_shape)
+            if start == 0 or tuple(start_states.shape) != shape \
+                    or start_states.dtype != torch.float32 or start_states.device != self.device:
+                raise ValueError(f"start_states are float32 {shape} on {self.device} and need a "
+                                 f"start > 0, got {start_states.dtype} "
+                                 f"{tuple(start_states.shape)} on {start_states.device}, start "
+                                 f"{start}")
         self._check_slot(slot)
         held = int(self.lengths[slot])
         if held != start:
             raise ValueError(f"slot {slot} holds {held} positions; a prefill continuing it "
                              f"starts there, not at {start}")
-        return PrefillContext(slot, start, tokens.numel(), block)
+        return PrefillContext(slot, start, tokens.numel(), block, start_states=start_states)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or not self.ssm.is_allocated(slot):
@@ -330,10 +346,14 @@ class ServingCache:
     # ---- SSM state across a prefill -----------------------------------------------------------
 
     def ssm_prefill_state(self, layer: int, ctx: PrefillContext) -> torch.Tensor | None:
-        """The fp32 state a prefill's scan starts from: None (zeros) for a fresh slot, else
-        the state the slot holds (export_state: a replay cache folds first; a bf16 state or
-        checkpoint comes back as it is stored, rounded)."""
-        return None if ctx.start == 0 else self.ssm.export_state(layer, ctx.slot)
+        """The fp32 state a prefill's scan starts from: None (zeros) for a fresh slot, the
+        caller's ``ctx.start_states``, else the state the slot holds (export_state: a replay
+        cache folds first; a bf16 state or checkpoint comes back as it is stored, rounded)."""
+        if ctx.start == 0:
+            return None
+        if ctx.start_states is not None:
+            return ctx.start_states[layer]
+        return self.ssm.export_state(layer, ctx.slot)
 
     def ssm_prefill_end(self, layer: int, ctx: PrefillContext, state: torch.Tensor,
                         kept: list[torch.Tensor]) -> None:
@@ -516,11 +536,14 @@ class HybridModel(torch.nn.Module, abc.ABC):
 
     @torch.no_grad()
     def prefill_blocks(self, cache: ServingCache, slot: int, tokens: torch.Tensor, block: int,
-                       start: int = 0) -> tuple[torch.Tensor, PrefillContext]:
+                       start: int = 0, start_states: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, PrefillContext]:
         """:meth:`prefill` (``start`` a multiple of ``block``) that also keeps every SSM layer's
         state and conv window at each block boundary it passes (``PrefillContext.states``,
-        ``conv_windows``): returns the logits and the context."""
-        ctx = cache.prefill_context(slot, tokens, start, block)
+        ``conv_windows``): returns the logits and the context. ``start_states`` (fp32
+        [n_ssm, *state_shape]): the SSM states at ``start`` when the caller holds them (a
+        prefix-cache hit), which the scans start from instead of the slot's."""
+        ctx = cache.prefill_context(slot, tokens, start, block, start_states)
         return self._prefill(cache, ctx, tokens), ctx
 
     def _prefill(self, cache: ServingCache, ctx: PrefillContext,
