@@ -200,9 +200,9 @@ def test_a_hit_scans_from_the_entry_and_never_reads_the_slot_state(models, famil
                                                                       monkeypatch):
     """A hit's scans start from the entry's fp32 states (start_states): the slot's SSM state is
     not read back (export_state, a host round trip per layer on CUDA) and is loaded once per
-    layer, by the prefill's hand-off. So even with a bf16 state or checkpoint the hit's logits
-    are those of one prefill at the fp32-state tolerance (a restore through the bf16 slot state
-    was off by about 2e-4)."""
+    layer, by the prefill's hand-off; the entry is left as it was. So even with a bf16 state or
+    checkpoint the hit's logits are those of one prefill at the fp32-state tolerance (a restore
+    through the bf16 slot state was off by about 2e-4)."""
     model = models[family]
     shared = tokens(family, 40, 32)
     cache, whole = ServingCache(model, 2, 64, mode), ServingCache(model, 1, 64, mode)
@@ -219,9 +219,12 @@ def test_a_hit_scans_from_the_entry_and_never_reads_the_slot_state(models, famil
     monkeypatch.setattr(cache.ssm, "export_state", refused)
     monkeypatch.setattr(cache.ssm, "load_state",
                         lambda layer, *a, **k: (loads.append(layer), load_state(layer, *a, **k)))
+    entry = prefix._entries[prefix.keys(second)[3]].ssm
+    kept = entry.clone()
     got = prefix.prefill(model, slot, second)
     assert prefix.hit_tokens == 32
     assert loads == list(range(cache.layout.num_ssm_layers))
+    assert torch.equal(entry, kept)  # the scans read the entry's states, never write them
     ref = model.prefill(whole, whole.allocate(), second)
     assert mu.rel_err(got, ref[32:]) <= TOL_FP32_STATE
 
