@@ -21,7 +21,9 @@ whole-state calls over every SSM layer of one slot (median of ``--repeats``):
 - ``load_state_ms``: ``load_state`` of every layer, the hand-off every prefill ends with (a
   hit's too: on CUDA a host round trip of each layer's state, the floor of a hit's cost);
 - ``export_state_ms``: ``export_state`` of every layer, what a prefill continuing a slot reads
-  its state back with (a hit does not: it scans from the entry's states).
+  its state back with (a hit does not: it scans from the entry's states);
+- ``restore_ms`` (replay modes; else None): ``restore`` of the same states, every layer in one
+  call at the slot's cursor: what that hand-off would cost as one device-side call.
 """
 
 from __future__ import annotations
@@ -81,18 +83,23 @@ def bench_layout(layout: str, args: argparse.Namespace, device: str) -> dict[str
     err = float((got[-1].double() - ref[-1].double()).abs().max() / ref[-1].double().abs().max())
     layers = range(cache.layout.num_ssm_layers)
     states = [cache.ssm.export_state(layer, slot) for layer in layers]
-    load, export = [], []
+    load, export, restore = [], [], []
     for _ in range(args.repeats):
         load.append(timed(lambda: [cache.ssm.load_state(layer, slot, states[layer])
                                    for layer in layers], device)[0])
         export.append(timed(lambda: [cache.ssm.export_state(layer, slot) for layer in layers],
                             device)[0])
+        if not cache.mode.eager:  # eager caches have no restore
+            stacked = torch.stack(states)
+            position = int(cache.ssm.buffers["committed"][slot])
+            restore.append(timed(lambda: cache.ssm.restore(slot, position, stacked), device)[0])
     row = dict(layout=layout, mode=args.mode, prompt=args.prompt, block=args.block,
                prefill_ms=statistics.median(whole), store_ms=statistics.median(store),
                hit_ms=statistics.median(hit), hit_tokens=((args.prompt - 1) // args.block)
                * args.block, entries=len(prefix), entry_bytes=prefix.entry_bytes,
                last_logits_rel_err=err, ssm_layers=len(layers),
-               load_state_ms=statistics.median(load), export_state_ms=statistics.median(export))
+               load_state_ms=statistics.median(load), export_state_ms=statistics.median(export),
+               restore_ms=statistics.median(restore) if restore else None)
     row["hit_speedup"] = row["prefill_ms"] / row["hit_ms"]
     del model, cache, prefix
     if device == "cuda":
@@ -121,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['hit_speedup']:.1f}x), {row['entries']} entries of "
               f"{row['entry_bytes'] / 2**20:.1f} MiB, last logits rel err "
               f"{row['last_logits_rel_err']:.1e}; {row['ssm_layers']} SSM layers: load_state "
-              f"{row['load_state_ms']:.1f} ms, export_state {row['export_state_ms']:.1f} ms",
-              flush=True)
+              f"{row['load_state_ms']:.1f} ms, export_state {row['export_state_ms']:.1f} ms"
+              + ("" if row["restore_ms"] is None else
+                 f", restore (all in one call) {row['restore_ms']:.1f} ms"), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device_label(args.device), rows=rows), f, indent=1)
