@@ -18,12 +18,13 @@ Also each entry's bytes, the relative error of the hit's last logits against the
 prefill's (max |d| / max |ref|: the rounding of a prefill in two pieces), and the state cache's
 whole-state calls over every SSM layer of one slot (median of ``--repeats``):
 
-- ``load_state_ms``: ``load_state`` of every layer, the hand-off every prefill ends with (a
-  hit's too: on CUDA a host round trip of each layer's state, the floor of a hit's cost);
-- ``export_state_ms``: ``export_state`` of every layer, what a prefill continuing a slot reads
-  its state back with (a hit does not: it scans from the entry's states);
+- ``load_state_ms``: ``load_state`` of every layer: the prefill hand-off of an eager cache
+  (on CUDA a host round trip of each layer's state);
 - ``restore_ms`` (replay modes; else None): ``restore`` of the same states, every layer in one
-  call at the slot's cursor: what that hand-off would cost as one device-side call.
+  call at the slot's cursor: a replay cache's hand-off (ServingCache.ssm_hand_off), which every
+  prefill and hit ends with;
+- ``export_state_ms``: ``export_state`` of every layer, what a prefill continuing a slot reads
+  its state back with (a hit does not: it scans from the entry's states).
 """
 
 from __future__ import annotations

@@ -166,6 +166,8 @@ class PrefillContext:
     states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: SSM layer -> [len(boundaries), kernel - 1, conv_channels] (activations dtype)
     conv_windows: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: SSM layer -> its fp32 state after the last position, until the hand-off loads them all
+    final_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def boundaries(self) -> range:
@@ -357,12 +359,32 @@ class ServingCache:
 
     def ssm_prefill_end(self, layer: int, ctx: PrefillContext, state: torch.Tensor,
                         kept: list[torch.Tensor]) -> None:
-        """Loads a prefill's final fp32 ``state`` into the slot (the prefill hand-off) and keeps
-        the block-boundary states ``kept`` in ``ctx``."""
-        self.ssm.load_state(layer, ctx.slot, state)
+        """Keeps a layer's final fp32 ``state`` for :meth:`ssm_hand_off` and the block-boundary
+        states ``kept`` in ``ctx``."""
+        ctx.final_states[layer] = state
         if ctx.block:
             ctx.states[layer] = (torch.stack(kept) if kept else
                                  state.new_empty(0, *state.shape))
+
+    def ssm_hand_off(self, ctx: PrefillContext) -> None:
+        """Loads every SSM layer's final state into the slot (the prefill hand-off). A replay
+        cache takes them in one ``restore`` at the slot's committed cursor: the cursors as
+        ``load_state`` leaves them (folded = committed, an empty ring) and the same checkpoint
+        bytes, but on CUDA written by device kernels (its syncs read back a few small values)
+        where ``load_state`` moves each layer's whole state to the host, rounds it there and
+        copies it back, a stream sync per copy (``bench_prefix`` times both). An eager cache,
+        which has no ``restore``, or a state shape the device's ``restore`` does not take
+        (refused before anything is written) gets ``load_state`` per layer."""
+        states = [ctx.final_states[layer] for layer in range(self.layout.num_ssm_layers)]
+        if not self.mode.eager:
+            position = int(self.ssm.buffers["committed"][ctx.slot])  # a host read of one value
+            try:
+                self.ssm.restore(ctx.slot, position, torch.stack(states))
+                return
+            except NotImplementedError:
+                pass
+        for layer, state in enumerate(states):
+            self.ssm.load_state(layer, ctx.slot, state)
 
     def conv_decode(self, layer: int, ctx: DecodeContext, x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, activation: str | None = "silu",
@@ -552,6 +574,7 @@ class HybridModel(torch.nn.Module, abc.ABC):
         positions = torch.arange(ctx.start, ctx.start + ctx.n, device=tokens.device)
         logits = self._stack(tokens, positions, lambda mixer, layer, x, *extra:
                              mixer.prefill(cache, layer, ctx, x, *extra))
+        cache.ssm_hand_off(ctx)
         cache.lengths[ctx.slot] = ctx.start + ctx.n
         return logits.float()
 
