@@ -14,8 +14,17 @@ synchronised around each call):
 - ``hit_ms``: :meth:`PrefixCache.prefill` of the same prompt again: restores
   ``hit_tokens`` = ((prompt - 1) // block) * block tokens and prefills the rest.
 
-Also each entry's bytes, and the relative error of the hit's last logits against the whole
-prefill's (max |d| / max |ref|: the rounding of a prefill in two pieces).
+Also each entry's bytes, the relative error of the hit's last logits against the whole
+prefill's (max |d| / max |ref|: the rounding of a prefill in two pieces), and the state cache's
+whole-state calls over every SSM layer of one slot (median of ``--repeats``):
+
+- ``load_state_ms``: ``load_state`` of every layer: the prefill hand-off of an eager cache
+  (on CUDA a host round trip of each layer's state);
+- ``restore_ms`` (replay modes; else None): ``restore`` of the same states, every layer in one
+  call at the slot's cursor: a replay cache's hand-off (ServingCache.ssm_hand_off), which every
+  prefill and hit ends with;
+- ``export_state_ms``: ``export_state`` of every layer, what a prefill continuing a slot reads
+  its state back with (a hit does not: it scans from the entry's states).
 """
 
 from __future__ import annotations
@@ -73,11 +82,25 @@ def bench_layout(layout: str, args: argparse.Namespace, device: str) -> dict[str
         ms, got = timed(lambda: prefix.prefill(model, slot, prompt), device)
         hit.append(ms)
     err = float((got[-1].double() - ref[-1].double()).abs().max() / ref[-1].double().abs().max())
+    layers = range(cache.layout.num_ssm_layers)
+    states = [cache.ssm.export_state(layer, slot) for layer in layers]
+    load, export, restore = [], [], []
+    for _ in range(args.repeats):
+        load.append(timed(lambda: [cache.ssm.load_state(layer, slot, states[layer])
+                                   for layer in layers], device)[0])
+        export.append(timed(lambda: [cache.ssm.export_state(layer, slot) for layer in layers],
+                            device)[0])
+        if not cache.mode.eager:  # eager caches have no restore
+            stacked = torch.stack(states)
+            position = int(cache.ssm.buffers["committed"][slot])
+            restore.append(timed(lambda: cache.ssm.restore(slot, position, stacked), device)[0])
     row = dict(layout=layout, mode=args.mode, prompt=args.prompt, block=args.block,
                prefill_ms=statistics.median(whole), store_ms=statistics.median(store),
                hit_ms=statistics.median(hit), hit_tokens=((args.prompt - 1) // args.block)
                * args.block, entries=len(prefix), entry_bytes=prefix.entry_bytes,
-               last_logits_rel_err=err)
+               last_logits_rel_err=err, ssm_layers=len(layers),
+               load_state_ms=statistics.median(load), export_state_ms=statistics.median(export),
+               restore_ms=statistics.median(restore) if restore else None)
     row["hit_speedup"] = row["prefill_ms"] / row["hit_ms"]
     del model, cache, prefix
     if device == "cuda":
@@ -105,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['hit_ms']:.1f} ms ({row['hit_tokens']} tokens restored, "
               f"{row['hit_speedup']:.1f}x), {row['entries']} entries of "
               f"{row['entry_bytes'] / 2**20:.1f} MiB, last logits rel err "
-              f"{row['last_logits_rel_err']:.1e}", flush=True)
+              f"{row['last_logits_rel_err']:.1e}; {row['ssm_layers']} SSM layers: load_state "
+              f"{row['load_state_ms']:.1f} ms, export_state {row['export_state_ms']:.1f} ms"
+              + ("" if row["restore_ms"] is None else
+                 f", restore (all in one call) {row['restore_ms']:.1f} ms"), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device_label(args.device), rows=rows), f, indent=1)

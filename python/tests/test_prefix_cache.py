@@ -116,6 +116,64 @@ def test_prefill_continues_after_decode_steps(models, family):
     assert mu.rel_err(got, ref[history.numel():]) <= TOL_FP32_STATE
 
 
+@pytest.mark.parametrize("restore_refused", [False, True], ids=["restore", "restore-refused"])
+@pytest.mark.parametrize("mode", ["eager-fp32", "replay-fp32+bf16:4", "replay-bf16:4"])
+def test_the_hand_off_loads_every_layer_at_once_where_the_cache_can(models, mode,
+                                                                     restore_refused,
+                                                                     monkeypatch):
+    """A prefill ends by loading every SSM layer's state into the slot: a replay cache in one
+    restore (device kernels on CUDA, not a host round trip per layer), an eager cache, or a
+    replay cache whose restore refuses the state shape (NotImplementedError, as a CUDA cache
+    does past 128 columns), by load_state per layer. A prompt, 5 decode steps (buffer length 4:
+    a fold, a token in the ring), a continuing prefill, 4 more steps, against a cache whose
+    hand-off is load_state per layer: the same logits bit for bit and the same state-cache
+    buffers after the prefill (cursors included: committed kept, every layer folded there)."""
+    model = models["nemotron"]
+    first, second = tokens("nemotron", 60, 11), tokens("nemotron", 61, 9)
+    cache, ref = ServingCache(model, 1, 64, mode), ServingCache(model, 1, 64, mode)
+    monkeypatch.setattr(ref, "ssm_hand_off", lambda ctx: [
+        ref.ssm.load_state(layer, ctx.slot, ctx.final_states[layer])
+        for layer in range(ref.layout.num_ssm_layers)])
+    calls = []
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("restore on this device takes narrower states")
+
+    for name in ("load_state", "restore"):
+        real = refuse if name == "restore" and restore_refused else getattr(cache.ssm, name)
+        monkeypatch.setattr(cache.ssm, name, lambda *a, _n=name, _f=real, **k: (
+            calls.append(_n), _f(*a, **k)))
+
+    def run(c):
+        slot = c.allocate()
+        out = [model.prefill(c, slot, first)]
+        token = out[0][-1].argmax()[None]
+        for _ in range(5):
+            out.append(model.step(c, ids(slot), token))
+            token = out[-1].argmax(-1)
+        calls.clear()
+        out.append(model.prefill(c, slot, second, start=first.numel() + 5))
+        buffers = {k: v.clone() for k, v in c.ssm.buffers.items()}
+        token = out[-1][-1].argmax()[None]
+        for _ in range(4):
+            out.append(model.step(c, ids(slot), token))
+            token = out[-1].argmax(-1)
+        return out, buffers
+
+    got, got_buffers = run(cache)
+    layers = cache.layout.num_ssm_layers
+    loads = ["load_state"] * layers
+    assert calls == (loads if cache.mode.eager else
+                     ["restore"] + loads if restore_refused else ["restore"])
+    want, want_buffers = run(ref)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got_buffers.keys() == want_buffers.keys()
+    for name in got_buffers:
+        assert torch.equal(got_buffers[name], want_buffers[name]), name
+    if not cache.mode.eager:
+        assert got_buffers["folded"][:, 0].tolist() == [int(got_buffers["committed"][0])] * layers
+
+
 # ---- block states from prefill ----------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -192,6 +250,63 @@ def test_a_hit_continues_like_one_prefill(models, family, mode):
         ref_step = model.step(whole, ids(ref_slot), token)
         assert mu.rel_err(model.step(cache, ids(slot), token), ref_step) <= tol
         token = ref_step.argmax(-1)
+
+
+@pytest.mark.parametrize("mode", ["eager-bf16", "replay-bf16:4", "replay-fp32+bf16:4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hit_scans_from_the_entry_and_never_reads_the_slot_state(models, family, mode,
+                                                                      monkeypatch):
+    """A hit's scans start from the entry's fp32 states (start_states): the slot's SSM state is
+    not read back (export_state, a host round trip per layer on CUDA) and is written only by the
+    prefill's hand-off (load_state or restore, as the mode takes it); the entry is left as it
+    was. So even with a bf16 state or checkpoint the hit's logits are those of one prefill at
+    the fp32-state tolerance (a restore through the bf16 slot state was off by about 2e-4)."""
+    model = models[family]
+    shared = tokens(family, 40, 32)
+    cache, whole = ServingCache(model, 2, 64, mode), ServingCache(model, 1, 64, mode)
+    prefix = PrefixCache(cache, block=8)
+    prefix.prefill(model, cache.allocate(), torch.cat([shared, tokens(family, 41, 11)]))
+    second = torch.cat([shared, tokens(family, 42, 7)])
+    slot = cache.allocate()
+    writes, handing_off = [], []
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a hit read the slot's SSM state back")
+
+    def recorded(name, fn):
+        return lambda *a, **k: (writes.append((name, bool(handing_off))), fn(*a, **k))
+
+    hand_off = cache.ssm_hand_off
+    monkeypatch.setattr(cache.ssm, "export_state", refused)
+    for name in ("load_state", "restore"):
+        monkeypatch.setattr(cache.ssm, name, recorded(name, getattr(cache.ssm, name)))
+    monkeypatch.setattr(cache, "ssm_hand_off",
+                        lambda ctx: (handing_off.append(1), hand_off(ctx), handing_off.clear()))
+    entry = prefix._entries[prefix.keys(second)[3]].ssm
+    kept = entry.clone()
+    got = prefix.prefill(model, slot, second)
+    assert prefix.hit_tokens == 32
+    assert writes and all(in_hand_off for _, in_hand_off in writes)
+    assert torch.equal(entry, kept)  # the scans read the entry's states, never write them
+    ref = model.prefill(whole, whole.allocate(), second)
+    assert mu.rel_err(got, ref[32:]) <= TOL_FP32_STATE
+
+
+def test_start_states_of_the_wrong_shape_are_refused_with_nothing_changed(models):
+    model = models["nemotron"]
+    cache = ServingCache(model, 1, 64, "replay-fp32:4")
+    slot = cache.allocate()
+    model.prefill(cache, slot, tokens("nemotron", 50, 16))
+    layers, shape = cache.layout.num_ssm_layers, cache.ssm.config.state_shape
+    before = [t.clone() for t in (cache.lengths, cache.conv, cache.k, cache.v)]
+    rest = tokens("nemotron", 51, 8)
+    for bad, start in ((torch.zeros(layers + 1, *shape), 16),
+                       (torch.zeros(layers, *shape, dtype=torch.float64), 16),
+                       (torch.zeros(layers, *shape), 0)):
+        with pytest.raises(ValueError, match="start_states are float32"):
+            model.prefill_blocks(cache, slot, rest, 8, start=start, start_states=bad)
+    after = (cache.lengths, cache.conv, cache.k, cache.v)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 # ---- the engine -------------------------------------------------------------------------------

@@ -150,16 +150,24 @@ class PrefillContext:
     (zeros before position 0): what a prefix-cache entry needs beside the KV rows (those are
     the slot's own, rows [0, p)), taken from the chunked scans' chunk ends (chunks divide the
     block: :meth:`chunk`), with no second pass.
+
+    ``start_states``, when the caller holds them (a prefix-cache hit), are every SSM layer's fp32
+    state after position start - 1: the scans start from them instead of the slot's state, which
+    is then never read (on CUDA reading it is a host round trip of the whole state per layer).
     """
 
     slot: int
     start: int
     n: int
     block: int = 0
+    #: fp32 [n_ssm, *state_shape] on the cache's device, or None: the slot's own state.
+    start_states: torch.Tensor | None = None
     #: SSM layer -> fp32 [len(boundaries), *state_shape]
     states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     #: SSM layer -> [len(boundaries), kernel - 1, conv_channels] (activations dtype)
     conv_windows: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: SSM layer -> its fp32 state after the last position, until the hand-off loads them all
+    final_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def boundaries(self) -> range:
@@ -238,10 +246,12 @@ class ServingCache:
         self.lengths[slot] = 0
 
     def prefill_context(self, slot: int, tokens: torch.Tensor, start: int = 0,
-                        block: int = 0) -> PrefillContext:
+                        block: int = 0, start_states: torch.Tensor | None = None
+                        ) -> PrefillContext:
         """The context of a prefill of ``tokens`` (int64 [n]) at positions [start, start + n)
-        into ``slot``; refuses one this cache cannot hold or that does not continue the slot
-        (its committed length must be ``start``: a host read of one value)."""
+        into ``slot`` (``start_states``: :class:`PrefillContext`'s); refuses one this cache
+        cannot hold or that does not continue the slot (its committed length must be
+        ``start``: a host read of one value)."""
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"a prompt is a non-empty int64 [n], got {tuple(tokens.shape)}")
         if start < 0:
@@ -252,12 +262,20 @@ class ServingCache:
         if block < 0 or (block and start % block):
             raise ValueError(f"block states need a block size >= 1 and a start that is a "
                              f"multiple of it, got block {block}, start {start}")
+        if start_states is not None:
+            shape = (self.layout.num_ssm_layers, *self.ssm.config.state_shape)
+            if start == 0 or tuple(start_states.shape) != shape \
+                    or start_states.dtype != torch.float32 or start_states.device != self.device:
+                raise ValueError(f"start_states are float32 {shape} on {self.device} and need a "
+                                 f"start > 0, got {start_states.dtype} "
+                                 f"{tuple(start_states.shape)} on {start_states.device}, start "
+                                 f"{start}")
         self._check_slot(slot)
         held = int(self.lengths[slot])
         if held != start:
             raise ValueError(f"slot {slot} holds {held} positions; a prefill continuing it "
                              f"starts there, not at {start}")
-        return PrefillContext(slot, start, tokens.numel(), block)
+        return PrefillContext(slot, start, tokens.numel(), block, start_states=start_states)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or not self.ssm.is_allocated(slot):
@@ -319,28 +337,54 @@ class ServingCache:
         written = torch.arange(ctx.start + n - keep, ctx.start + n, device=x.device)
         ring[written % self.conv_ring] = x[n - keep:].to(ring.dtype)
         if ctx.block:
-            # inputs[i] is position start - K + 1 + i: the window before p starts at p - start.
-            ends = torch.tensor(list(ctx.boundaries), dtype=torch.long, device=x.device)
+            # inputs[i] is position start - K + 1 + i: the window before p starts at p - start,
+            # a multiple of the block (made on the device: a tensor of a host list would be a
+            # blocking copy, a stream sync per layer).
+            offsets = ctx.block * torch.arange(1, len(ctx.boundaries) + 1, device=x.device)
             taps = torch.arange(K - 1, device=x.device)
-            ctx.conv_windows[layer] = inputs[ends[:, None] - ctx.start + taps].to(ring.dtype)
+            ctx.conv_windows[layer] = inputs[offsets[:, None] + taps].to(ring.dtype)
         return _activate(out, activation).t().to(x.dtype)
 
     # ---- SSM state across a prefill -----------------------------------------------------------
 
     def ssm_prefill_state(self, layer: int, ctx: PrefillContext) -> torch.Tensor | None:
-        """The fp32 state a prefill's scan starts from: None (zeros) for a fresh slot, else
-        the state the slot holds (export_state: a replay cache folds first; a bf16 state or
-        checkpoint comes back as it is stored, rounded)."""
-        return None if ctx.start == 0 else self.ssm.export_state(layer, ctx.slot)
+        """The fp32 state a prefill's scan starts from: None (zeros) for a fresh slot, the
+        caller's ``ctx.start_states``, else the state the slot holds (export_state: a replay
+        cache folds first; a bf16 state or checkpoint comes back as it is stored, rounded)."""
+        if ctx.start == 0:
+            return None
+        if ctx.start_states is not None:
+            return ctx.start_states[layer]
+        return self.ssm.export_state(layer, ctx.slot)
 
     def ssm_prefill_end(self, layer: int, ctx: PrefillContext, state: torch.Tensor,
                         kept: list[torch.Tensor]) -> None:
-        """Loads a prefill's final fp32 ``state`` into the slot (the prefill hand-off) and keeps
-        the block-boundary states ``kept`` in ``ctx``."""
-        self.ssm.load_state(layer, ctx.slot, state)
+        """Keeps a layer's final fp32 ``state`` for :meth:`ssm_hand_off` and the block-boundary
+        states ``kept`` in ``ctx``."""
+        ctx.final_states[layer] = state
         if ctx.block:
             ctx.states[layer] = (torch.stack(kept) if kept else
                                  state.new_empty(0, *state.shape))
+
+    def ssm_hand_off(self, ctx: PrefillContext) -> None:
+        """Loads every SSM layer's final state into the slot (the prefill hand-off). A replay
+        cache takes them in one ``restore`` at the slot's committed cursor: the cursors as
+        ``load_state`` leaves them (folded = committed, an empty ring) and the same checkpoint
+        bytes, but on CUDA written by device kernels (its syncs read back a few small values)
+        where ``load_state`` moves each layer's whole state to the host, rounds it there and
+        copies it back, a stream sync per copy (``bench_prefix`` times both). An eager cache,
+        which has no ``restore``, or a state shape the device's ``restore`` does not take
+        (refused before anything is written) gets ``load_state`` per layer."""
+        states = [ctx.final_states[layer] for layer in range(self.layout.num_ssm_layers)]
+        if not self.mode.eager:
+            position = int(self.ssm.buffers["committed"][ctx.slot])  # a host read of one value
+            try:
+                self.ssm.restore(ctx.slot, position, torch.stack(states))
+                return
+            except NotImplementedError:
+                pass
+        for layer, state in enumerate(states):
+            self.ssm.load_state(layer, ctx.slot, state)
 
     def conv_decode(self, layer: int, ctx: DecodeContext, x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, activation: str | None = "silu",
@@ -514,11 +558,14 @@ class HybridModel(torch.nn.Module, abc.ABC):
 
     @torch.no_grad()
     def prefill_blocks(self, cache: ServingCache, slot: int, tokens: torch.Tensor, block: int,
-                       start: int = 0) -> tuple[torch.Tensor, PrefillContext]:
+                       start: int = 0, start_states: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, PrefillContext]:
         """:meth:`prefill` (``start`` a multiple of ``block``) that also keeps every SSM layer's
         state and conv window at each block boundary it passes (``PrefillContext.states``,
-        ``conv_windows``): returns the logits and the context."""
-        ctx = cache.prefill_context(slot, tokens, start, block)
+        ``conv_windows``): returns the logits and the context. ``start_states`` (fp32
+        [n_ssm, *state_shape]): the SSM states at ``start`` when the caller holds them (a
+        prefix-cache hit), which the scans start from instead of the slot's."""
+        ctx = cache.prefill_context(slot, tokens, start, block, start_states)
         return self._prefill(cache, ctx, tokens), ctx
 
     def _prefill(self, cache: ServingCache, ctx: PrefillContext,
@@ -527,6 +574,7 @@ class HybridModel(torch.nn.Module, abc.ABC):
         positions = torch.arange(ctx.start, ctx.start + ctx.n, device=tokens.device)
         logits = self._stack(tokens, positions, lambda mixer, layer, x, *extra:
                              mixer.prefill(cache, layer, ctx, x, *extra))
+        cache.ssm_hand_off(ctx)
         cache.lengths[ctx.slot] = ctx.start + ctx.n
         return logits.float()
 

@@ -14,15 +14,18 @@ up to its block. The entry of block i holds:
 so a hit of m blocks restores the state and conv window of block m and the KV rows of blocks
 1..m (a prefix's KV is the chain's; no entry repeats another's rows).
 
-A hit into a freshly allocated slot (:meth:`PrefixCache.prefill`): ``load_state`` of each SSM
-layer (the state as the prefill hand-off writes it: the eager state, or a replay checkpoint with
-an empty ring; any state mode), the conv window into the ring rows of its positions, the KV rows,
-``lengths = m block``; then ``prefill(start = m block)`` of the rest. It saves the prefill of the
-m blocks: their GEMMs (O(m block) tokens through every layer), attention over them and the
-scans; what it costs is copying the entries in (per block the SSM state dominates: for
-Nemotron-3-Nano-4B at block 64, 21 layers x 3.9 MB = 82 MB of fp32 state against 1.2 MB of
-bf16 conv windows and 1 MB of bf16 KV rows). The hit never covers a whole prompt: at least its
-last token is prefilled, which gives the first new token's logits.
+A hit into a freshly allocated slot (:meth:`PrefixCache.prefill`): the conv window into the
+ring rows of its positions, the KV rows (one copy of the chain's), ``lengths = m block``; then
+``prefill_blocks(start = m block)`` of the rest with the entry's fp32 states as its
+``start_states``: the scans start from them, and the prefill's own hand-off loads the slot's
+state at its end (any state mode). The slot's state is neither loaded nor read back before the
+scans: on CUDA ``load_state`` and ``export_state`` each move a layer's whole state through host
+memory with a stream sync, and doing both for every SSM layer made a hit slower than a whole
+prefill. A hit saves the prefill of the m blocks: their GEMMs (O(m block) tokens through every
+layer), attention over them and the scans; what it costs is copying the entry in (per block the
+SSM state dominates: for Nemotron-3-Nano-4B at block 64, 21 layers x 3.9 MB = 82 MB of fp32
+state against 1.2 MB of bf16 conv windows and 1 MB of bf16 KV rows). The hit never covers a
+whole prompt: at least its last token is prefilled, which gives the first new token's logits.
 
 Entries live on the ``device`` given, by default the serving cache's: on a GPU restoring is then
 a device-to-device copy (no PCIe transfer of 82 MB a hit), and the byte budget caps the memory it
@@ -32,10 +35,9 @@ while a prompt's blocks are stored); a prompt touches its chain deepest block fi
 block is more recent than the blocks after it and eviction takes a chain's last block first
 (never one a cached block after it still needs).
 
-With fp32 state (and fp32 masters: ``replay-fp32+bf16``, ``replay-fp32+fp8``) a hit continues
-exactly from the stored fp32 state: outputs equal those without the cache up to the fp32 scans'
-rounding. A bf16 state or checkpoint rounds the restored state to bf16 where a whole prefill
-would have carried it in fp32 across the boundary.
+A hit continues exactly from the stored fp32 state, in every state mode: its logits equal
+those of a whole prefill up to the fp32 scans' rounding. After it the slot holds its state as
+the mode keeps it (a bf16 state or checkpoint rounded, as after a whole prefill).
 """
 
 from __future__ import annotations
@@ -146,9 +148,9 @@ class PrefixCache:
         keys = self.keys(tokens)
         hit = self._lookup(keys, tokens.numel())
         p = len(hit) * self.block
-        if hit:
-            self._restore(slot, hit)
-        logits, ctx = model.prefill_blocks(cache, slot, tokens[p:], self.block, start=p)
+        states = self._restore(slot, hit) if hit else None
+        logits, ctx = model.prefill_blocks(cache, slot, tokens[p:], self.block, start=p,
+                                           start_states=states)
         self._insert(keys, ctx)
         return logits
 
@@ -166,22 +168,21 @@ class PrefixCache:
             self.hit_tokens += len(hit) * self.block
         return hit
 
-    def _restore(self, slot: int, hit: list[_Entry]) -> None:
-        """Writes a chain's state, conv window and KV rows into ``slot`` (fresh: lengths 0,
-        an empty ring), then sets its length."""
+    def _restore(self, slot: int, hit: list[_Entry]) -> torch.Tensor:
+        """Writes a chain's conv window and KV rows into ``slot`` (fresh: lengths 0, an empty
+        ring) and sets its length; returns the last block's SSM states on the cache's device,
+        for the prefill to start its scans from (the slot's SSM state is left to its hand-off)."""
         cache, last = self.cache, hit[-1]
         p = len(hit) * self.block
         dev = cache.device
-        for layer in range(cache.layout.num_ssm_layers):
-            cache.ssm.load_state(layer, slot, last.ssm[layer])
         K = cache.layout.conv_kernel
         rows = torch.arange(p - (K - 1), p, device=dev) % cache.conv_ring
         cache.conv[:, slot, rows] = last.conv.to(dev)
-        for i, entry in enumerate(hit):
-            span = slice(i * self.block, (i + 1) * self.block)
-            cache.k[:, slot, :, span] = entry.k.to(dev)
-            cache.v[:, slot, :, span] = entry.v.to(dev)
+        # The chain's rows joined where the entries live: one copy (host entries: one transfer).
+        cache.k[:, slot, :, :p] = torch.cat([e.k for e in hit], 2).to(dev)
+        cache.v[:, slot, :, :p] = torch.cat([e.v for e in hit], 2).to(dev)
         cache.lengths[slot] = p
+        return last.ssm.to(dev)
 
     def _insert(self, keys: list[bytes], ctx: PrefillContext) -> None:
         """Stores the blocks ``ctx``'s prefill passed (those not cached yet) within the budget,

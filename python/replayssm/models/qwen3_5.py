@@ -24,8 +24,8 @@ One decoder layer (pre-norm, residual around the mixer and around the MLP)::
 The recurrent state of a GDN layer is carried as the library holds it, ``[num_v_heads,
 head_v_dim, head_k_dim]`` (transformers keeps its transpose). Prefill runs the chunked form of
 the gated delta rule (:func:`gated_delta_chunked`) in fp32, from the slot's state when it
-continues one, and loads the final state with
-``cache.ssm.load_state``; decode calls :func:`replayssm.gdn_decode`, whose q/k contract
+continues one, and hands the final state to the cache (``ServingCache.ssm_hand_off`` loads
+every layer's at the end); decode calls :func:`replayssm.gdn_decode`, whose q/k contract
 (``qk_l2norm=True``: L2 norm with eps 1e-6 under the root, then ``scale`` = head_k_dim ** -0.5)
 is the one above.
 """
