@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from replayssm.models import ServingCache  # noqa: E402
 from replayssm.models.engine import Engine  # noqa: E402
+from replayssm.models.prefix_cache import PrefixCache  # noqa: E402
 from replayssm.models.speculative import DraftModelDrafter, NgramDrafter  # noqa: E402
 
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
@@ -134,6 +135,26 @@ def test_speculative_engine_gives_the_plain_tokens(family_case, plain, mode, dra
         assert surplus == sum((1 - n) % T for _, _, n in plan) > 0
     if drafter_kind == "draft-model":
         assert surplus > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_speculative_engine_with_a_prefix_cache_gives_the_plain_tokens(family_case, plain, mode):
+    """Both engine options at once: the schedule served twice by one speculative engine with a
+    prefix cache (the second pass's prompts hit the blocks the first stored) gives the plain
+    engine's tokens both times."""
+    family, model, plan = family_case
+    cache = ServingCache(model, CAPACITY, MAX_SEQ, mode, max_spec_tokens=T)
+    prefix = PrefixCache(cache, block=4)
+    engine = Engine(model, cache, buckets=BUCKETS, drafter=NgramDrafter(), spec_tokens=T,
+                    prefix_cache=prefix)
+    first = serve(engine, plan)
+    hits_before = prefix.stats()["hit_tokens"]
+    second = serve(engine, plan)
+    assert prefix.stats()["hit_tokens"] > hits_before  # the second pass restored prefixes
+    for requests in (first, second):
+        for r, ref in zip(requests, plain[mode]):
+            assert r.tokens == ref.tokens, r.id
+    assert engine.mean_drafts_accepted > 0
 
 
 def test_the_last_window_needs_room_in_the_cache():
