@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per 
   }
   const FoldCursor cursor = fold_cursor(l, folded, committed, k.T);
   k.fold = cursor.fold;
-  const bool idle = !allocated || (k.fold ? false : (k.T == 0 || !reads));
+  const bool idle = !allocated || (!k.fold && (k.T == 0 || !reads));
   if (idle) {
     cp_async_wait<0>();
     return;
@@ -490,15 +490,16 @@ Status launch(Params params, cudaStream_t stream) {
     }
     return hpc;
   };
-  const int hpc_read = params.num_tokens == 0  // an explicit fold: every row it serves folds
-                           ? 0
-                           : fitting(pick_heads_per_cta(l, params.batch, limits.sms,
-                                                        read_blocks_per_sm));
-  int hpc = std::min(fitting(pick_heads_per_cta(l, params.batch, limits.sms, blocks_per_sm)),
-                     hpc_read > 0 ? hpc_read : kMaxHeadsPerCta);
-  if (hpc_read > 0 && hpc_read < kMinReadToFoldHeads * hpc) hpc = hpc_read;
+  const int hpc_fold =
+      fitting(pick_heads_per_cta(l, params.batch, limits.sms, blocks_per_sm));
+  const int hpc_read =
+      params.num_tokens == 0  // an explicit fold: every row it serves folds
+          ? hpc_fold
+          : fitting(pick_heads_per_cta(l, params.batch, limits.sms, read_blocks_per_sm));
+  // Folding rows take their own finer runs only when the reading runs are much longer.
+  const int hpc = hpc_read < kMinReadToFoldHeads * hpc_fold ? hpc_read : hpc_fold;
   params.heads_per_cta = hpc;
-  params.read_heads_per_cta = hpc_read > 0 ? hpc_read : hpc;
+  params.read_heads_per_cta = hpc_read;
   const int smem = replay_smem(l.config, params.read_heads_per_cta).bytes();
   params.early_tiles = params.batch <= kEarlyTilesBatch;
   params.fold_first = use_fold_first(params.batch, params.num_tokens, fold_first_min_batch);
