@@ -14,8 +14,9 @@
 //      with B_j·C_t computed once for the group;
 //   3. stream the heads' rows (contiguous in memory) through shared-memory tiles: when a fold
 //      is due (w >= L; any w for an explicit fold) S ← τ·S + Σ_j weight_j·x_j·B_jᵀ on the
-//      master copy, written back to every copy (checkpoint.cuh), after which the window reads
-//      the fresh read copy and no history; then (S·C_t)[p] for every window token;
+//      master copy (on the tensor cores at fp32 accuracy, fold_tile_mma, when head_dim is a
+//      multiple of 16), written back to every copy (checkpoint.cuh), after which the window
+//      reads the fresh read copy and no history; then (S·C_t)[p] for every window token;
 //   4. y_t = τ_t·(S·C_t) + Σ_{j ≤ last} coef_tj·x_j + D·x_t, gated by silu(z_t).
 // The state is read once (the floor of a replay step) and written only by a due fold. The fold
 // cursor moves inside the launch (state_cache/cursors.cuh): a step is one launch per layer.
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "common/numeric.h"
 #include "cuda/common/async_copy.cuh"
@@ -36,6 +38,7 @@
 #include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/common/mma.cuh"
 #include "cuda/common/vec.cuh"
 #include "cuda/mamba2/mamba2_launch.h"
 #include "cuda/common/tuning.h"
@@ -244,6 +247,103 @@ __device__ __forceinline__ void issue_tile(const Block& k, const stream_t* src, 
   cp_async_commit();
 }
 
+// Whether a fold runs on the tensor cores (fold_tile_mma): its 16-row m-tiles must not straddle
+// two heads, whose weights differ.
+__device__ __forceinline__ bool fold_on_tensor_cores(const Block& k) { return k.P % 16 == 0; }
+
+// Two adjacent values of a stage row as fp32, and back (rounded as the store would round them).
+__device__ __forceinline__ void load_pair(const float* at, float& a, float& b) {
+  const float2 v = *reinterpret_cast<const float2*>(at);
+  a = v.x;
+  b = v.y;
+}
+template <typename T>
+__device__ __forceinline__ void load_pair(const T* at, float& a, float& b) {
+  a = to_float(at[0]);
+  b = to_float(at[1]);
+}
+__device__ __forceinline__ void store_pair(float* at, float a, float b) {
+  *reinterpret_cast<float2*>(at) = make_float2(a, b);
+}
+template <typename T>
+__device__ __forceinline__ void store_pair(T* at, float a, float b) {
+  at[0] = from_float<T>(a);
+  at[1] = from_float<T>(b);
+}
+
+// The fold of one staged tile on the tensor cores (mma.cuh): S ← τ·S + A·B over the tile's
+// rows, A[p][j] = weight_j·x_j[p] (one fp32 product, split into two TF32 parts), B[j][n] =
+// B_j[n] (exact in TF32 for bf16 inputs; split too for fp32 ones), records in k-steps of 8
+// (zero past w). Each warp takes one 16-row m-tile and a run of its 8-column n-tiles. The
+// folded rows go back into the stage (rounded to the stage's type, as the store rounds them),
+// and the row pass that follows stores every copy and takes the outputs' dot products from
+// them, as after a fold on the CUDA cores. Per state element a fold on the CUDA cores costs w
+// FMAs plus a shared-memory load per 4 of them; here it is ~w/64 mma instructions per lane.
+template <typename input_t, typename stream_t>
+__device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
+  constexpr int kRows = kTileRows<stream_t>;
+  constexpr int kMTiles = kRows / 16;
+  constexpr int kWarps = kReplayThreads / 32;
+  constexpr int kNTiles = (kDstate / 8) * kMTiles / kWarps;  // per warp
+  static_assert(kRows % 16 == 0 && kWarps % kMTiles == 0, "a tile is whole m-tiles per warp");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int mt = warp % kMTiles;
+  const int r0 = tile * kRows + mt * 16;  // the m-tile's first row in the block's run
+  if (r0 >= k.rows) return;               // past the run: the row pass skips these rows
+  const int hl = r0 / k.P;
+  const int n0 = (warp / kMTiles) * kNTiles * 8;
+  const float tau = k.ptr(k.at.fold_tau())[hl];
+  const float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
+  const float* Bf = k.ptr(k.at.Bf());
+  const input_t* xs = k.ptr<input_t>(k.at.x());
+  const int xrec = k.hpc * k.P;
+  stream_t* row_g = stage + (mt * 16 + g) * kDstate;
+  stream_t* row_g8 = row_g + 8 * kDstate;
+
+  float acc[kNTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+    const int col = n0 + nt * 8 + 2 * t;
+    load_pair(row_g + col, acc[nt][0], acc[nt][1]);
+    load_pair(row_g8 + col, acc[nt][2], acc[nt][3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] *= tau;
+  }
+  for (int j0 = 0; j0 < k.w; j0 += 8) {
+    const int ja = j0 + t, jb = j0 + t + 4;
+    const auto a_at = [&](int j, int r) {
+      return j < k.w ? weight[j] * to_float(xs[j * xrec + r]) : 0.0f;
+    };
+    const Tf32Pair a0(a_at(ja, r0 + g)), a1(a_at(ja, r0 + g + 8)), a2(a_at(jb, r0 + g)),
+        a3(a_at(jb, r0 + g + 8));
+    const std::uint32_t a_hi[4] = {a0.hi, a1.hi, a2.hi, a3.hi};
+    const std::uint32_t a_lo[4] = {a0.lo, a1.lo, a2.lo, a3.lo};
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const int n = n0 + nt * 8 + g;
+      // Records past w contribute zero and their B (unstaged memory) must not be read.
+      const float b0 = ja < k.w ? Bf[ja * kDstate + n] : 0.0f;
+      const float b1 = jb < k.w ? Bf[jb * kDstate + n] : 0.0f;
+      if constexpr (std::is_same_v<input_t, float>) {
+        const Tf32Pair p0(b0), p1(b1);
+        mma_tf32(acc[nt], a_lo, p0.hi, p1.hi);
+        mma_tf32(acc[nt], a_hi, p0.lo, p1.lo);
+        mma_tf32(acc[nt], a_hi, p0.hi, p1.hi);
+      } else {
+        mma_tf32(acc[nt], a_lo, __float_as_uint(b0), __float_as_uint(b1));
+        mma_tf32(acc[nt], a_hi, __float_as_uint(b0), __float_as_uint(b1));
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+    const int col = n0 + nt * 8 + 2 * t;
+    store_pair(row_g + col, acc[nt][0], acc[nt][1]);
+    store_pair(row_g8 + col, acc[nt][2], acc[nt][3]);
+  }
+}
+
 // This lane's columns (in order_t's layout) of an fp32 row in shared memory.
 template <typename order_t>
 __device__ __forceinline__ void lane_columns(const float* row, float (&out)[kPerLane]) {
@@ -252,10 +352,11 @@ __device__ __forceinline__ void lane_columns(const float* row, float (&out)[kPer
 
 // Step 3 for one row (this lane's 16 columns): `row` points at the row in its stage; (hl, p)
 // is its head within the block and its row within the head. c0 holds C_0's columns.
+// With kFold the row is folded here first, unless `folded` says fold_tile_mma already did.
 template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
 __device__ __forceinline__ void process_row(const Block& k, const CheckpointHead<P>& ckpt,
                                             const stream_t* row, int hl, int p, bool active,
-                                            const float (&c0)[kPerLane]) {
+                                            bool folded, const float (&c0)[kPerLane]) {
   using order_t = stream_t;
   const int lane = threadIdx.x % kLanesPerRow;
   const int r = hl * k.P + p;
@@ -277,12 +378,12 @@ __device__ __forceinline__ void process_row(const Block& k, const CheckpointHead
     // S ← τ·S, then S += (weight_j·x_j[p])·B_j[n] record by record (cpu fold_head_mamba2).
     const int xrec = k.hpc * k.P;
     const input_t* xs = k.ptr<input_t>(k.at.x());
-    const float tau = k.ptr(k.at.fold_tau())[hl];
+    const float tau = folded ? 1.0f : k.ptr(k.at.fold_tau())[hl];
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) v[e] *= tau;
     const float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
     const float* Bf = k.ptr(k.at.Bf());
-    for (int j = 0; j < k.w; ++j) {
+    for (int j = 0; j < (folded ? 0 : k.w); ++j) {
       float key[kPerLane];
       lane_columns<order_t>(Bf + j * kDstate, key);
       const float xw = active ? weight[j] * to_float(xs[j * xrec + r]) : 0.0f;
@@ -361,15 +462,22 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   // This row group's next row: head within the block, row within the head. Row m of the group
   // in a tile is tile row group + 32·m, so the rows a group visits advance by 32 each time.
   int hl = group / k.P, pr = group % k.P;
+  bool mma = false;  // whether this fold runs on the tensor cores
+  if constexpr (kFold) mma = fold_on_tensor_cores(k);
   for (int tile = 0; tile < ntiles; ++tile) {
     cp_async_wait<kS - 1>();
     __syncthreads();
-    const auto* stage =
-        reinterpret_cast<const stream_t*>(k.smem + k.at.pipe() + (tile % kS) * kTileBytes);
+    auto* stage = reinterpret_cast<stream_t*>(k.smem + k.at.pipe() + (tile % kS) * kTileBytes);
+    if constexpr (kFold) {
+      if (mma) {
+        fold_tile_mma<input_t>(k, stage, tile);
+        __syncthreads();  // a row's columns were folded by several warps
+      }
+    }
 #pragma unroll
     for (int m = 0; m < kRowsPerGroup<stream_t>; ++m) {
       process_row<input_t, P, stream_t, kFold>(
-          k, ckpt, stage + (m * kRowGroups + group) * kDstate, hl, pr, hl < k.hpc, c0);
+          k, ckpt, stage + (m * kRowGroups + group) * kDstate, hl, pr, hl < k.hpc, mma, c0);
       for (pr += kRowGroups; pr >= k.P; pr -= k.P) ++hl;
     }
     __syncthreads();  // the stage is free again
