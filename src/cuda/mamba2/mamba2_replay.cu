@@ -87,20 +87,51 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
   const int nrec = k.w + T;
   input_t* xs = k.ptr<input_t>(k.at.x());
   input_t* Bs = k.ptr<input_t>(k.at.B());
-  for (int j = 0; j < nrec; ++j) {
-    const input_t* x_src;
-    const input_t* B_src;
+  // Where record j's x and B come from: ring position folded + j, or window token j − w.
+  const auto x_of = [&](int j) {
     if (j < k.w) {
       const std::int64_t rec = l.ring_record(p.layer, k.slot, folded + j);
-      x_src = static_cast<const input_t*>(l.ring_vec) + (rec * H + k.h0) * k.P;
-      B_src = static_cast<const input_t*>(l.ring_key) + (rec * G + k.g) * kDstate;
-    } else {
-      const std::int64_t bt = std::int64_t{k.b} * T + (j - k.w);
-      x_src = static_cast<const input_t*>(p.x) + (bt * H + k.h0) * k.P;
-      B_src = static_cast<const input_t*>(p.B) + (bt * G + k.g) * kDstate;
+      return static_cast<const input_t*>(l.ring_vec) + (rec * H + k.h0) * k.P;
     }
-    copy_to_shared(xs + j * xrec, x_src, xrec * int(sizeof(input_t)));
-    copy_to_shared(Bs + j * kDstate, B_src, kDstate * int(sizeof(input_t)));
+    const std::int64_t bt = std::int64_t{k.b} * T + (j - k.w);
+    return static_cast<const input_t*>(p.x) + (bt * H + k.h0) * k.P;
+  };
+  const auto B_of = [&](int j) {
+    if (j < k.w) {
+      const std::int64_t rec = l.ring_record(p.layer, k.slot, folded + j);
+      return static_cast<const input_t*>(l.ring_key) + (rec * G + k.g) * kDstate;
+    }
+    const std::int64_t bt = std::int64_t{k.b} * T + (j - k.w);
+    return static_cast<const input_t*>(p.B) + (bt * G + k.g) * kDstate;
+  };
+  // Whole 16-byte pieces (every real shape): one loop over all records' pieces, so that each
+  // thread issues a few copies instead of walking every record (the per-record loop cost a
+  // low-precision block about as many instructions as streaming its state).
+  const int x_pieces = xrec * int(sizeof(input_t)) / 16;
+  constexpr int kBPieces = kDstate * int(sizeof(input_t)) / 16;
+  const auto base_bits = reinterpret_cast<std::uintptr_t>(p.x) |
+                         reinterpret_cast<std::uintptr_t>(p.B) |
+                         reinterpret_cast<std::uintptr_t>(l.ring_vec) |
+                         reinterpret_cast<std::uintptr_t>(l.ring_key);
+  if ((base_bits & 15u) == 0 && (xrec * int(sizeof(input_t))) % 16 == 0 &&
+      (H * k.P * int(sizeof(input_t))) % 16 == 0) {
+    const int per_record = x_pieces + kBPieces;
+    for (int i = threadIdx.x; i < nrec * per_record; i += blockDim.x) {
+      const int j = i / per_record, c = i - j * per_record;
+      if (c < x_pieces) {
+        cp_async_16(xs + j * xrec + c * (16 / int(sizeof(input_t))),
+                    x_of(j) + c * (16 / int(sizeof(input_t))));
+      } else {
+        const int cb = c - x_pieces;
+        cp_async_16(Bs + j * kDstate + cb * (16 / int(sizeof(input_t))),
+                    B_of(j) + cb * (16 / int(sizeof(input_t))));
+      }
+    }
+  } else {
+    for (int j = 0; j < nrec; ++j) {
+      copy_to_shared(xs + j * xrec, x_of(j), xrec * int(sizeof(input_t)));
+      copy_to_shared(Bs + j * kDstate, B_of(j), kDstate * int(sizeof(input_t)));
+    }
   }
   for (int t = 0; t < T; ++t) {
     const std::int64_t bt = std::int64_t{k.b} * T + t;
