@@ -41,8 +41,10 @@ using testing::Mamba2Tokens;
 using testing::Recipe;
 using testing::Rng;
 
-const Mamba2Shape kSmall{4, 16, 128, 2};      // 2 heads per group
-const Mamba2Shape kOddRows{6, 20, 128, 3};    // head_dim 20: threads with rows past the head
+// 2 heads per group; head_dim 16: folds on the tensor cores (fold_tile_mma)
+const Mamba2Shape kSmall{4, 16, 128, 2};
+// head_dim 20: threads with rows past the head, folds on the CUDA cores (not a multiple of 16)
+const Mamba2Shape kOddRows{6, 20, 128, 3};
 const Mamba2Shape kGolden{4, 8, 16, 2};       // dstate 16: the generic kernels (golden traces)
 const Mamba2Shape kGeneric{6, 20, 64, 3};     // dstate 64, odd head_dim: the generic kernels
 const Mamba2Shape kNano4b{96, 80, 128, 8};    // Nemotron-3-Nano-4B
