@@ -282,24 +282,19 @@ __device__ __forceinline__ void issue_tile(const Block& k, const stream_t* src, 
 // two heads, whose weights differ.
 __device__ __forceinline__ bool fold_on_tensor_cores(const Block& k) { return k.P % 16 == 0; }
 
-// Two adjacent values of a stage row as fp32, and back (rounded as the store would round them).
-__device__ __forceinline__ void load_pair(const float* at, float& a, float& b) {
-  const float2 v = *reinterpret_cast<const float2*>(at);
-  a = v.x;
-  b = v.y;
+// Two adjacent values of a stage row as fp32, and back (vec.cuh's Packed: rounded as the
+// checkpoint store rounds them).
+template <typename T>
+__device__ __forceinline__ void load_pair(const T* at, float (&v)[2]) {
+  Packed<T, 2> p;
+  p.load(at);
+  p.unpack(v);
 }
 template <typename T>
-__device__ __forceinline__ void load_pair(const T* at, float& a, float& b) {
-  a = to_float(at[0]);
-  b = to_float(at[1]);
-}
-__device__ __forceinline__ void store_pair(float* at, float a, float b) {
-  *reinterpret_cast<float2*>(at) = make_float2(a, b);
-}
-template <typename T>
-__device__ __forceinline__ void store_pair(T* at, float a, float b) {
-  at[0] = from_float<T>(a);
-  at[1] = from_float<T>(b);
+__device__ __forceinline__ void store_pair(T* at, const float (&v)[2]) {
+  Packed<T, 2> p;
+  p.pack(v);
+  p.store(at);
 }
 
 // The fold of one staged tile on the tensor cores (mma.cuh): S ← τ·S + A·B over the tile's
@@ -336,10 +331,13 @@ __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
     const int col = n0 + nt * 8 + 2 * t;
-    load_pair(row_g + col, acc[nt][0], acc[nt][1]);
-    load_pair(row_g8 + col, acc[nt][2], acc[nt][3]);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] *= tau;
+    float lo[2], hi[2];
+    load_pair(row_g + col, lo);
+    load_pair(row_g8 + col, hi);
+    acc[nt][0] = lo[0] * tau;
+    acc[nt][1] = lo[1] * tau;
+    acc[nt][2] = hi[0] * tau;
+    acc[nt][3] = hi[1] * tau;
   }
   for (int j0 = 0; j0 < k.w; j0 += 8) {
     const int ja = j0 + t, jb = j0 + t + 4;
@@ -370,8 +368,8 @@ __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
     const int col = n0 + nt * 8 + 2 * t;
-    store_pair(row_g + col, acc[nt][0], acc[nt][1]);
-    store_pair(row_g8 + col, acc[nt][2], acc[nt][3]);
+    store_pair(row_g + col, {acc[nt][0], acc[nt][1]});
+    store_pair(row_g8 + col, {acc[nt][2], acc[nt][3]});
   }
 }
 
