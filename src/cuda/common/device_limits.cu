@@ -19,6 +19,10 @@ Status device_limits(DeviceLimits* out) {
         cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
         &d.smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+        &d.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+        &d.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
     cached = d;
     cached_device = device;
   }

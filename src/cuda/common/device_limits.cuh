@@ -8,6 +8,8 @@ namespace replayssm::cuda {
 struct DeviceLimits {
   int sms = 0;             ///< streaming multiprocessors
   int smem_per_block = 0;  ///< shared memory one block may opt in to, bytes
+  int smem_per_sm = 0;     ///< shared memory of one SM, bytes
+  int smem_reserved = 0;   ///< shared memory the system reserves per block, bytes
 };
 
 /// The current device's limits (each CUDA call checked; cached per device and thread, since

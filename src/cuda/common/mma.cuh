@@ -53,4 +53,21 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const std::uint32_t (&a)
 #endif
 }
 
+/// c += A·B for one m16n8k16 tile with bf16 operands (two bf16 per register, the lower k in
+/// the low half): a0 (g, 2t..2t+1)  a1 (g + 8, 2t..2t+1)  a2 (g, 2t+8..2t+9)  a3 (g + 8, ...);
+/// b0 (k 2t..2t+1, n g)  b1 (k 2t+8..2t+9, n g); c as for m16n8k8. bf16 products are exact in
+/// the fp32 accumulator.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const std::uint32_t (&a)[4],
+                                         std::uint32_t b0, std::uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
 }  // namespace replayssm::cuda

@@ -61,6 +61,9 @@ struct Params {
   bool early_tiles = false;
   /// Replay: serve the rows whose fold is due first (state_cache/fold_order.cuh).
   bool fold_first = false;
+  /// Replay: a reading step's S·C on the tensor cores for bf16 / fp8 read copies
+  /// (mamba2_replay.cu's read_tile_mma); off only to measure.
+  bool tc_read = true;
 };
 
 /// Eager: threads per block for a head of `head_dim` rows (a whole number of warps).
@@ -105,6 +108,16 @@ inline constexpr int kReadBlocksPerSm = 1;
 /// folds save: 16.5 / 15.8 µs (fp32, staggered / aligned) against 14.6 / 13.4 with runs of 2 for
 /// both; at batch 16 (8 against 2) the split takes fp32 from 50.1 / 28.5 to 32.3 / 33.8.
 inline constexpr int kMinReadToFoldHeads = 3;
+/// Blocks that the register budget lets an SM hold (replay_kernel's launch bounds).
+inline constexpr int kReplayResidentBlocks = 3;
+/// Off (0) by default: REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS = n cuts heads per block until n
+/// blocks fit an SM's shared memory. A verify window's staging grows with max_spec_tokens, so
+/// super120b's blocks of 8 heads take ~86 KB at T = 4 and 2 stay resident. Cutting to 3 per SM
+/// measured mixed (batch 256, µs per window, fp32 · bf16 · fp32+bf16 · fp32+fp8): T = 4
+/// 577 · 577 · 584 · 569 against 611 · 585 · 586 · 552, T = 8 1780 · 1906 · 1873 · 1975
+/// against 1602 · 1547 · 1494 · 1495 (2 heads per block stage the window 4 times as often);
+/// nano4b unchanged at T = 2 and 4 (docs/BENCHMARKS_CUDA_MAMBA2.md, section 9).
+inline constexpr int kResidentBlocksByDefault = 0;
 /// From this batch a replay launch serves the rows whose fold is due first
 /// (state_cache/fold_order.cuh). super120b, staggered / aligned, µs: batch 16, fp32 · bf16 ·
 /// fp32+bf16 · fp32+fp8 39.2 / 37.5 · 41.6 / 36.1 · 39.1 / 35.3 · 41.1 / 36.0 without it,

@@ -16,13 +16,16 @@
 //      is due (w >= L; any w for an explicit fold) S ← τ·S + Σ_j weight_j·x_j·B_jᵀ on the
 //      master copy (on the tensor cores at fp32 accuracy, fold_tile_mma, when head_dim is a
 //      multiple of 16), written back to every copy (checkpoint.cuh), after which the window
-//      reads the fresh read copy and no history; then (S·C_t)[p] for every window token;
+//      reads the fresh read copy and no history; then (S·C_t)[p] for every window token (on
+//      the tensor cores, read_tile_mma, for fp8 read copies and bf16 ones under a verify
+//      window; tiles are swizzled in shared memory for those reads, Stage);
 //   4. y_t = τ_t·(S·C_t) + Σ_{j ≤ last} coef_tj·x_j + D·x_t, gated by silu(z_t).
 // The state is read once (the floor of a replay step) and written only by a due fold. The fold
 // cursor moves inside the launch (state_cache/cursors.cuh): a step is one launch per layer.
 // Arithmetic follows src/cpu/mamba2_decode.cpp term by term, so the backends differ only by
 // rounding order (FMA contraction, the order of the 128-term dot products).
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -57,6 +60,30 @@ template <typename T>
 constexpr int kTileRows = kTileBytes / (kDstate * int(sizeof(T)));  // fp32 32, bf16 64, fp8 128
 template <typename T>
 constexpr int kRowsPerGroup = kTileRows<T> / kRowGroups;
+
+// A stage holds a tile's rows as in memory, except that each row's 16-byte chunks are permuted
+// by an XOR of their index with a few bits of the row (a shared-memory swizzle). The tensor-core
+// paths read the same columns of 8 or 16 rows at once, and rows of 128-512 bytes would put all
+// of those in the same banks (4- to 8-way conflicts): with the swizzle, a bf16 / fp32 half-warp
+// (8-byte pieces of an even and odd chunk in 4 rows) and an fp8 warp (4-byte pieces of one
+// chunk in 8 rows) each touch 32 different banks. The row pass reads whole rows, 8 lanes over
+// 8 chunks, which any permutation inside an aligned group of 8 chunks keeps conflict-free.
+template <typename T>
+struct Stage {
+  static constexpr int kChunkElems = 16 / int(sizeof(T));
+  static constexpr int kRowChunks = kDstate / kChunkElems;
+  static_assert(kRowChunks % 8 == 0, "the XOR stays inside a row");
+
+  __device__ __forceinline__ static int chunk_xor(int row) {
+    return sizeof(T) == 1 ? (row & 7) : ((row & 3) << 1);
+  }
+  /// Element (row, col) of a stage.
+  template <typename U>
+  __device__ __forceinline__ static U* at(U* stage, int row, int col) {
+    const int chunk = (col / kChunkElems) ^ chunk_xor(row);
+    return stage + row * kDstate + chunk * kChunkElems + col % kChunkElems;
+  }
+};
 
 // Where one block is, and its shared memory.
 struct Block {
@@ -271,8 +298,11 @@ __device__ __forceinline__ void issue_tile(const Block& k, const stream_t* src, 
     const int bytes = min(kRows, k.rows - row0) * kDstate * int(sizeof(stream_t));
     unsigned char* dst = k.smem + k.at.pipe() + (tile % kStages) * kTileBytes;
     const auto* from = reinterpret_cast<const unsigned char*>(src + std::int64_t{row0} * kDstate);
+    using S = Stage<stream_t>;
     for (int c = threadIdx.x; c < bytes / 16; c += blockDim.x) {
-      cp_async_16(dst + c * 16, from + c * 16);
+      const int row = c / S::kRowChunks;
+      const int to = row * S::kRowChunks + ((c % S::kRowChunks) ^ S::chunk_xor(row));
+      cp_async_16(dst + to * 16, from + c * 16);
     }
   }
   cp_async_commit();
@@ -324,16 +354,15 @@ __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
   const float* Bf = k.ptr(k.at.Bf());
   const input_t* xs = k.ptr<input_t>(k.at.x());
   const int xrec = k.hpc * k.P;
-  stream_t* row_g = stage + (mt * 16 + g) * kDstate;
-  stream_t* row_g8 = row_g + 8 * kDstate;
+  const int row_g = mt * 16 + g, row_g8 = row_g + 8;  // in the stage
 
   float acc[kNTiles][4];
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
     const int col = n0 + nt * 8 + 2 * t;
     float lo[2], hi[2];
-    load_pair(row_g + col, lo);
-    load_pair(row_g8 + col, hi);
+    load_pair(Stage<stream_t>::at(stage, row_g, col), lo);
+    load_pair(Stage<stream_t>::at(stage, row_g8, col), hi);
     acc[nt][0] = lo[0] * tau;
     acc[nt][1] = lo[1] * tau;
     acc[nt][2] = hi[0] * tau;
@@ -368,8 +397,111 @@ __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
     const int col = n0 + nt * 8 + 2 * t;
-    store_pair(row_g + col, {acc[nt][0], acc[nt][1]});
-    store_pair(row_g8 + col, {acc[nt][2], acc[nt][3]});
+    store_pair(Stage<stream_t>::at(stage, row_g, col), {acc[nt][0], acc[nt][1]});
+    store_pair(Stage<stream_t>::at(stage, row_g8, col), {acc[nt][2], acc[nt][3]});
+  }
+}
+
+// Whether a reading step's dot products S·C_t run on the tensor cores (read_tile_mma): bf16
+// activations (C exact as a bf16 operand) and a bf16 or fp8 read copy (fp8 widens exactly to
+// bf16). An fp32 read copy stays on the CUDA cores: the TF32 split that an fp32-accurate
+// product needs cost more than it saved (a T = 4 verify window measured 29% slower).
+template <typename input_t, typename stream_t>
+inline constexpr bool kReadOnTensorCores =
+    std::is_same_v<input_t, bf16_t> &&
+    (std::is_same_v<stream_t, bf16_t> || std::is_same_v<stream_t, fp8e4m3_t>);
+
+// The tile shape of read_tile_mma: each warp takes one 16-row m-tile of a stage and a run of
+// its columns (bf16 stages of 64 rows: half the columns each; fp8 stages of 128 rows: all).
+template <typename stream_t>
+struct ReadMma {
+  static constexpr int kMTiles = kTileRows<stream_t> / 16;
+  static constexpr int kWarps = kReplayThreads / 32;
+  static constexpr int kSplit = kWarps / kMTiles;    // warps per m-tile
+  static constexpr int kCols = kDstate / kSplit;     // columns per warp
+  static constexpr int kSteps = kCols / 16;          // k-steps of 16 columns
+  static_assert(kWarps % kMTiles == 0, "whole m-tiles per warp");
+};
+
+// The B fragments of a reading step: C_n for window token n = g (zero past T) over this warp's
+// columns, in the permuted k order of read_tile_mma (k 2t, 2t+1 are columns 4t, 4t+1 of a
+// 16-column step and k 2t+8, 2t+9 are 4t+2, 4t+3, so that a lane's A operand is 4 contiguous
+// columns of its rows). Loaded once per block: C is the same for every tile.
+template <typename stream_t>
+__device__ __forceinline__ void load_c_fragments(
+    const Block& k, std::uint32_t (&b)[ReadMma<stream_t>::kSteps][2]) {
+  using Shape = ReadMma<stream_t>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int col0 = (warp / Shape::kMTiles) * Shape::kCols;
+  const auto* c = reinterpret_cast<const std::uint32_t*>(k.ptr<bf16_t>(k.at.C()) + g * kDstate);
+#pragma unroll
+  for (int s = 0; s < Shape::kSteps; ++s) {
+    const int col = col0 + 16 * s + 4 * t;
+    b[s][0] = g < k.T ? c[col / 2] : 0u;
+    b[s][1] = g < k.T ? c[col / 2 + 1] : 0u;
+  }
+}
+
+// Four contiguous values of a stage row as two bf16 pairs (fp8 widened exactly).
+__device__ __forceinline__ void load_quad(const bf16_t* at, std::uint32_t& lo, std::uint32_t& hi) {
+  const uint2 v = *reinterpret_cast<const uint2*>(at);
+  lo = v.x;
+  hi = v.y;
+}
+__device__ __forceinline__ void load_quad(const fp8e4m3_t* at, std::uint32_t& lo,
+                                          std::uint32_t& hi) {
+  const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(at);
+  const auto widen = [](std::uint32_t pair) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 ⊂ bf16
+    return *reinterpret_cast<const std::uint32_t*>(&b);
+  };
+  lo = widen(v & 0xffffu);
+  hi = widen(v >> 16);
+}
+
+// Step 3 of a reading (non-fold) step on the tensor cores: (S·C_n)[row] for the stage's rows
+// and every window token n as one m16n8k16 product per 16 columns (the T tokens are the n
+// columns of B), accumulated in fp32 without any shuffle. Per lane and 16-row tile that is
+// a few shared-memory loads and mma instructions where the CUDA cores need, per row, a load,
+// an unpack and an FMA per element and a reduction across the row's lanes per token. With two
+// warps per m-tile (bf16), each adds its half of the columns into `dots` (zeroed first): two
+// additions onto zero, so the result does not depend on their order.
+template <CheckpointPrecision P, typename stream_t>
+__device__ __forceinline__ void read_tile_mma(
+    const Block& k, const stream_t* stage, int tile,
+    const std::uint32_t (&b)[ReadMma<stream_t>::kSteps][2]) {
+  using Shape = ReadMma<stream_t>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int mt = warp % Shape::kMTiles;
+  const int col0 = (warp / Shape::kMTiles) * Shape::kCols;
+  const int r0 = tile * kTileRows<stream_t> + mt * 16;  // in the block's run
+  if (r0 >= k.rows) return;
+  const int row_g = mt * 16 + g, row_g8 = row_g + 8;  // in the stage
+  float acc[4] = {};
+#pragma unroll
+  for (int s = 0; s < Shape::kSteps; ++s) {
+    const int col = col0 + 16 * s + 4 * t;
+    std::uint32_t a[4];
+    load_quad(Stage<stream_t>::at(stage, row_g, col), a[0], a[2]);
+    load_quad(Stage<stream_t>::at(stage, row_g8, col), a[1], a[3]);
+    mma_bf16(acc, a, b[s][0], b[s][1]);
+  }
+  float* dots = k.ptr(k.at.dot());
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int r = r0 + g + 8 * (e / 2), n = 2 * t + e % 2;
+    if (r >= k.rows || n >= k.T) continue;
+    float value = acc[e];
+    if constexpr (CheckpointTypes<P>::kScaled) value *= k.ptr(k.at.scale())[r];
+    float* out = dots + ((r / k.P) * k.Tm + n) * k.P + r % k.P;
+    if constexpr (Shape::kSplit == 1) {
+      *out = value;
+    } else {
+      atomicAdd(out, value);
+    }
   }
 }
 
@@ -379,20 +511,22 @@ __device__ __forceinline__ void lane_columns(const float* row, float (&out)[kPer
   Split::gather<order_t>(row, threadIdx.x % kLanesPerRow, out);
 }
 
-// Step 3 for one row (this lane's 16 columns): `row` points at the row in its stage; (hl, p)
-// is its head within the block and its row within the head. c0 holds C_0's columns.
+// Step 3 for one row (this lane's 16 columns): row `srow` of `stage`; (hl, p) is its head
+// within the block and its row within the head. c0 holds C_0's columns.
 // With kFold the row is folded here first, unless `folded` says fold_tile_mma already did.
 template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
 __device__ __forceinline__ void process_row(const Block& k, const CheckpointHead<P>& ckpt,
-                                            const stream_t* row, int hl, int p, bool active,
-                                            bool folded, const float (&c0)[kPerLane]) {
+                                            const stream_t* stage, int srow, int hl, int p,
+                                            bool active, bool folded,
+                                            const float (&c0)[kPerLane]) {
   using order_t = stream_t;
   const int lane = threadIdx.x % kLanesPerRow;
   const int r = hl * k.P + p;
   float v[kPerLane];
   if (active) {
     typename Split::template Fragment<stream_t> f;
-    f.load(row, lane);
+    static_assert(Split::kVec<stream_t> == Stage<stream_t>::kChunkElems, "a vector is a chunk");
+    f.load(stage + srow * kDstate, lane, Stage<stream_t>::chunk_xor(srow));
     f.unpack(v);
   } else {
 #pragma unroll
@@ -493,10 +627,33 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   int hl = group / k.P, pr = group % k.P;
   bool mma = false;  // whether this fold runs on the tensor cores
   if constexpr (kFold) mma = fold_on_tensor_cores(k);
+  constexpr bool kReadMma = !kFold && kReadOnTensorCores<input_t, stream_t>;
+  // bf16 read copies at T = 1 stay on the CUDA cores: no widening to save there, and seven of
+  // the mma's eight n columns would be empty (measured 2-4% slower on the tensor cores).
+  const bool read_mma =
+      kReadMma && p.tc_read && (std::is_same_v<stream_t, fp8e4m3_t> || k.T >= 2);
+  std::uint32_t cfrag[ReadMma<stream_t>::kSteps][2];
+  if constexpr (kReadMma) {
+    if (read_mma) load_c_fragments<stream_t>(k, cfrag);
+  }
+  if (read_mma && ReadMma<stream_t>::kSplit > 1) {
+    // the tensor-core reads add column halves into `dots`; the tile loop's first barrier
+    // orders these stores before any addition
+    float* dots = k.ptr(k.at.dot());
+    for (int i = threadIdx.x; i < k.hpc * k.Tm * k.P; i += blockDim.x) dots[i] = 0.0f;
+  }
   for (int tile = 0; tile < ntiles; ++tile) {
     cp_async_wait<kS - 1>();
     __syncthreads();
     auto* stage = reinterpret_cast<stream_t*>(k.smem + k.at.pipe() + (tile % kS) * kTileBytes);
+    if constexpr (kReadMma) {
+      if (read_mma) {
+        read_tile_mma<P>(k, stage, tile, cfrag);
+        __syncthreads();  // the stage is free again
+        issue_tile(k, src, tile + kS);
+        continue;
+      }
+    }
     if constexpr (kFold) {
       if (mma) {
         fold_tile_mma<input_t>(k, stage, tile);
@@ -506,7 +663,7 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
 #pragma unroll
     for (int m = 0; m < kRowsPerGroup<stream_t>; ++m) {
       process_row<input_t, P, stream_t, kFold>(
-          k, ckpt, stage + (m * kRowGroups + group) * kDstate, hl, pr, hl < k.hpc, mma, c0);
+          k, ckpt, stage, m * kRowGroups + group, hl, pr, hl < k.hpc, mma, c0);
       for (pr += kRowGroups; pr >= k.P; pr -= k.P) ++hl;
     }
     __syncthreads();  // the stage is free again
@@ -521,7 +678,7 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
 }
 
 template <typename input_t, CheckpointPrecision P>
-__global__ void __launch_bounds__(kReplayThreads, 3)  // 3 blocks of ~70 KB per SM
+__global__ void __launch_bounds__(kReplayThreads, kReplayResidentBlocks)
     replay_kernel(const __grid_constant__ Params params) {
   using Traits = CheckpointTypes<P>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -618,9 +775,17 @@ Status launch(Params params, cudaStream_t stream) {
       tuning_value("REPLAYSSM_TUNE_FOLD_FIRST_MIN_BATCH", kFoldFirstMinBatch);
   static const int read_blocks_per_sm =
       tuning_value("REPLAYSSM_TUNE_MAMBA2_READ_BLOCKS_PER_SM", kReadBlocksPerSm);
+  static const int resident =
+      tuning_value("REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS", kResidentBlocksByDefault);
   // One head per block always fits: can_implement checked it when the cache was created.
+  // Optionally fewer heads while `resident` blocks would not fit an SM's shared memory.
   const auto fitting = [&](int hpc) {
-    while (hpc > 1 && replay_smem(l.config, hpc).bytes() > limits.smem_per_block) {
+    const auto too_big = [&](int h) {
+      const int bytes = replay_smem(l.config, h).bytes();
+      return bytes > limits.smem_per_block ||
+             resident * (bytes + limits.smem_reserved) > limits.smem_per_sm;
+    };
+    while (hpc > 1 && too_big(hpc)) {
       do {
         --hpc;
       } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
@@ -640,6 +805,8 @@ Status launch(Params params, cudaStream_t stream) {
   const int smem = replay_smem(l.config, params.read_heads_per_cta).bytes();
   params.early_tiles = params.batch <= kEarlyTilesBatch;
   params.fold_first = use_fold_first(params.batch, params.num_tokens, fold_first_min_batch);
+  static const bool tc_read = tuning_value("REPLAYSSM_TUNE_MAMBA2_TC_READ", 1) != 0;
+  params.tc_read = tc_read;
   if (l.dims.heads / hpc > kMaxFoldBlocks) {
     return unsupported("mamba2 CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
                        " blocks per batch row, got " + std::to_string(l.dims.heads / hpc));
