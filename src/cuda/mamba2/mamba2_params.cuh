@@ -108,16 +108,19 @@ inline constexpr int kReadBlocksPerSm = 1;
 /// folds save: 16.5 / 15.8 µs (fp32, staggered / aligned) against 14.6 / 13.4 with runs of 2 for
 /// both; at batch 16 (8 against 2) the split takes fp32 from 50.1 / 28.5 to 32.3 / 33.8.
 inline constexpr int kMinReadToFoldHeads = 3;
-/// Blocks that the register budget lets an SM hold (replay_kernel's launch bounds).
+/// Blocks that the register budget lets an SM hold (replay_kernel's launch bounds), and what
+/// launch() cuts heads per block toward for an fp32 read copy. A verify window's staging grows
+/// with max_spec_tokens: super120b's blocks of 8 heads take ~78 KB at T = 2 and ~94 KB at T = 4,
+/// so only 2 stay resident. An fp32 read copy (T dot products per row on the CUDA cores) gains
+/// from the third block's warps, so its heads per block are cut until this many blocks fit an
+/// SM's shared memory, when half the heads or more remain (REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS
+/// overrides the count for every precision; 0 = never). Batch 256, µs per window, cut · kept
+/// (docs/BENCHMARKS_CUDA_MAMBA2.md, section 9): super120b fp32 T = 2 390 · 412, T = 4 578 · 611;
+/// nano4b fp32 T = 4 (6 → 3 heads) 571 · 570. Not for the tensor-core reads (fp32+fp8 T = 4
+/// 569 · 552 on super120b, 7% worse on nano4b), nor deeper cuts (T = 8, 8 → 1 heads: fp32
+/// 1780 · 1602, the window staged 8 times as often). T = 1 blocks with bf16 activations
+/// (~71 KB) fit 3 already; with fp32 activations (~93 KB) they are cut (not measured).
 inline constexpr int kReplayResidentBlocks = 3;
-/// Off (0) by default: REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS = n cuts heads per block until n
-/// blocks fit an SM's shared memory. A verify window's staging grows with max_spec_tokens, so
-/// super120b's blocks of 8 heads take ~86 KB at T = 4 and 2 stay resident. Cutting to 3 per SM
-/// measured mixed (batch 256, µs per window, fp32 · bf16 · fp32+bf16 · fp32+fp8): T = 4
-/// 577 · 577 · 584 · 569 against 611 · 585 · 586 · 552, T = 8 1780 · 1906 · 1873 · 1975
-/// against 1602 · 1547 · 1494 · 1495 (2 heads per block stage the window 4 times as often);
-/// nano4b unchanged at T = 2 and 4 (docs/BENCHMARKS_CUDA_MAMBA2.md, section 9).
-inline constexpr int kResidentBlocksByDefault = 0;
 /// From this batch a replay launch serves the rows whose fold is due first
 /// (state_cache/fold_order.cuh). super120b, staggered / aligned, µs: batch 16, fp32 · bf16 ·
 /// fp32+bf16 · fp32+fp8 39.2 / 37.5 · 41.6 / 36.1 · 39.1 / 35.3 · 41.1 / 36.0 without it,

@@ -775,22 +775,28 @@ Status launch(Params params, cudaStream_t stream) {
       tuning_value("REPLAYSSM_TUNE_FOLD_FIRST_MIN_BATCH", kFoldFirstMinBatch);
   static const int read_blocks_per_sm =
       tuning_value("REPLAYSSM_TUNE_MAMBA2_READ_BLOCKS_PER_SM", kReadBlocksPerSm);
-  static const int resident =
-      tuning_value("REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS", kResidentBlocksByDefault);
-  // One head per block always fits: can_implement checked it when the cache was created.
-  // Optionally fewer heads while `resident` blocks would not fit an SM's shared memory.
-  const auto fitting = [&](int hpc) {
-    const auto too_big = [&](int h) {
-      const int bytes = replay_smem(l.config, h).bytes();
-      return bytes > limits.smem_per_block ||
-             resident * (bytes + limits.smem_reserved) > limits.smem_per_sm;
-    };
-    while (hpc > 1 && too_big(hpc)) {
-      do {
-        --hpc;
-      } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
-    }
+  static const int resident = tuning_value(
+      "REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS",
+      P == CheckpointPrecision::kFp32 ? kReplayResidentBlocks : 0);
+  const auto fewer = [&](int hpc) {  // the next smaller divisor of the heads per group
+    do {
+      --hpc;
+    } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
     return hpc;
+  };
+  // One head per block always fits: can_implement checked it when the cache was created.
+  // Then, where `resident` > 0, fewer heads until that many blocks fit an SM's shared memory,
+  // if half the heads or more remain (mamba2_params.cuh, kReplayResidentBlocks).
+  const auto fitting = [&](int hpc) {
+    while (hpc > 1 && replay_smem(l.config, hpc).bytes() > limits.smem_per_block) {
+      hpc = fewer(hpc);
+    }
+    int cut = hpc;
+    while (cut > 1 && resident * (replay_smem(l.config, cut).bytes() + limits.smem_reserved) >
+                          limits.smem_per_sm) {
+      cut = fewer(cut);
+    }
+    return 2 * cut >= hpc ? cut : hpc;
   };
   const int hpc_fold =
       fitting(pick_heads_per_cta(l, params.batch, limits.sms, blocks_per_sm));
