@@ -90,7 +90,8 @@ inline constexpr int kMaxHeadsPerCta = 8;
 /// staging: a small batch is one memory round trip after another, and the tiles then arrive
 /// with the cursors. Measured (super120b, fp32, µs per step): batch 1 10.1 → 9.6, 4 20.9 →
 /// 19.9, 16 42.4 → 42.1; at batch 64 the early tiles delay the staging the prologue waits for,
-/// 131.1 → 133.5 (and +1-3% at 256; docs/BENCHMARKS_CUDA_MAMBA2.md, sections 5 and 6).
+/// 131.1 → 133.5 (and +1-3% at 256; docs/BENCHMARKS_CUDA_MAMBA2.md, sections 5 and 6), measured
+/// before the one-loop staging (section 8); REPLAYSSM_TUNE_MAMBA2_EARLY_TILES_BATCH overrides it.
 inline constexpr int kEarlyTilesBatch = 16;
 /// Heads per block are chosen so that a launch has at least this many blocks per SM: for rows
 /// whose fold is due (Params::heads_per_cta), and for rows that only read

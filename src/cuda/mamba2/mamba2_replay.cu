@@ -773,6 +773,8 @@ Status launch(Params params, cudaStream_t stream) {
       tuning_value("REPLAYSSM_TUNE_MAMBA2_BLOCKS_PER_SM", kReplayBlocksPerSm);
   static const int fold_first_min_batch =
       tuning_value("REPLAYSSM_TUNE_FOLD_FIRST_MIN_BATCH", kFoldFirstMinBatch);
+  static const int early_tiles_batch =
+      tuning_value("REPLAYSSM_TUNE_MAMBA2_EARLY_TILES_BATCH", kEarlyTilesBatch);
   static const int read_blocks_per_sm =
       tuning_value("REPLAYSSM_TUNE_MAMBA2_READ_BLOCKS_PER_SM", kReadBlocksPerSm);
   static const int resident = tuning_value(
@@ -809,7 +811,7 @@ Status launch(Params params, cudaStream_t stream) {
   params.heads_per_cta = hpc;
   params.read_heads_per_cta = hpc_read;
   const int smem = replay_smem(l.config, params.read_heads_per_cta).bytes();
-  params.early_tiles = params.batch <= kEarlyTilesBatch;
+  params.early_tiles = params.batch <= early_tiles_batch;
   params.fold_first = use_fold_first(params.batch, params.num_tokens, fold_first_min_batch);
   static const bool tc_read = tuning_value("REPLAYSSM_TUNE_MAMBA2_TC_READ", 1) != 0;
   params.tc_read = tc_read;
