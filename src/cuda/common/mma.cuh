@@ -1,6 +1,6 @@
 #pragma once
-// Tensor-core products at fp32 accuracy, for the folds: mma.sync m16n8k8 with TF32 operands
-// (sm_80 and later).
+// Tensor-core products (sm_80 and later): mma.sync m16n8k8 with TF32 operands at fp32 accuracy
+// for the folds, and m16n8k16 with bf16 operands for the reads of bf16 / fp8 state copies.
 //
 // A fold adds a rank-w update Σ_j a_j·b_jᵀ to every row of the state, 2·w flops per state
 // element; on the CUDA cores that is most of a fold's instructions (every product also needs its

@@ -134,8 +134,9 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
   // Whole 16-byte pieces (every real shape): one loop over all records' pieces, so that each
   // thread issues a few copies instead of walking every record (the per-record loop cost a
   // low-precision block about as many instructions as streaming its state).
-  const int x_pieces = xrec * int(sizeof(input_t)) / 16;
-  constexpr int kBPieces = kDstate * int(sizeof(input_t)) / 16;
+  constexpr int kPiece = 16 / int(sizeof(input_t));  // elements per 16-byte piece
+  const int x_pieces = xrec / kPiece;
+  constexpr int kBPieces = kDstate / kPiece;
   const auto base_bits = reinterpret_cast<std::uintptr_t>(p.x) |
                          reinterpret_cast<std::uintptr_t>(p.B) |
                          reinterpret_cast<std::uintptr_t>(l.ring_vec) |
@@ -146,12 +147,10 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
     for (int i = threadIdx.x; i < nrec * per_record; i += blockDim.x) {
       const int j = i / per_record, c = i - j * per_record;
       if (c < x_pieces) {
-        cp_async_16(xs + j * xrec + c * (16 / int(sizeof(input_t))),
-                    x_of(j) + c * (16 / int(sizeof(input_t))));
+        cp_async_16(xs + j * xrec + c * kPiece, x_of(j) + c * kPiece);
       } else {
         const int cb = c - x_pieces;
-        cp_async_16(Bs + j * kDstate + cb * (16 / int(sizeof(input_t))),
-                    B_of(j) + cb * (16 / int(sizeof(input_t))));
+        cp_async_16(Bs + j * kDstate + cb * kPiece, B_of(j) + cb * kPiece);
       }
     }
   } else {
@@ -404,12 +403,22 @@ __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
 
 // Whether a reading step's dot products S·C_t run on the tensor cores (read_tile_mma): bf16
 // activations (C exact as a bf16 operand) and a bf16 or fp8 read copy (fp8 widens exactly to
-// bf16). An fp32 read copy stays on the CUDA cores: the TF32 split that an fp32-accurate
-// product needs cost more than it saved (a T = 4 verify window measured 29% slower).
+// bf16), fp8 at any window and bf16 from T = 2. An fp32 read copy stays on the CUDA cores: the
+// TF32 split that an fp32-accurate product needs cost more than it saved (a T = 4 verify window
+// measured 28% slower). So does a bf16 one at T = 1: no widening to save there, and seven of the
+// mma's eight n columns would be empty (measured 2-5% slower on the tensor cores).
 template <typename input_t, typename stream_t>
 inline constexpr bool kReadOnTensorCores =
     std::is_same_v<input_t, bf16_t> &&
     (std::is_same_v<stream_t, bf16_t> || std::is_same_v<stream_t, fp8e4m3_t>);
+template <typename input_t, typename stream_t>
+__device__ __forceinline__ bool read_on_tensor_cores(int T) {
+  if constexpr (kReadOnTensorCores<input_t, stream_t>) {
+    return std::is_same_v<stream_t, fp8e4m3_t> || T >= 2;
+  } else {
+    return false;
+  }
+}
 
 // The tile shape of read_tile_mma: each warp takes one 16-row m-tile of a stage and a run of
 // its columns (bf16 stages of 64 rows: half the columns each; fp8 stages of 128 rows: all).
@@ -628,10 +637,7 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   bool mma = false;  // whether this fold runs on the tensor cores
   if constexpr (kFold) mma = fold_on_tensor_cores(k);
   constexpr bool kReadMma = !kFold && kReadOnTensorCores<input_t, stream_t>;
-  // bf16 read copies at T = 1 stay on the CUDA cores: no widening to save there, and seven of
-  // the mma's eight n columns would be empty (measured 2-4% slower on the tensor cores).
-  const bool read_mma =
-      kReadMma && p.tc_read && (std::is_same_v<stream_t, fp8e4m3_t> || k.T >= 2);
+  const bool read_mma = kReadMma && p.tc_read && read_on_tensor_cores<input_t, stream_t>(k.T);
   std::uint32_t cfrag[ReadMma<stream_t>::kSteps][2];
   if constexpr (kReadMma) {
     if (read_mma) load_c_fragments<stream_t>(k, cfrag);
