@@ -148,13 +148,11 @@ struct RowSplit {
     static constexpr int kVecN = kVec<order_t>;
     Packed<T, kVecN> chunk[kChunks<order_t>];
 
-    /// `chunk_xor` reads a row whose kVecN-element vectors are permuted by an XOR of their
-    /// index (a swizzled shared-memory row; 0 for a plain one).
     template <CacheOp op = CacheOp::kDefault>
-    __device__ __forceinline__ void load(const T* row, int lane, int chunk_xor = 0) {
+    __device__ __forceinline__ void load(const T* row, int lane) {
 #pragma unroll
       for (int k = 0; k < kChunks<order_t>; ++k) {
-        chunk[k].template load<op>(row + ((k * kLanes + lane) ^ chunk_xor) * kVecN);
+        chunk[k].template load<op>(row + (k * kLanes + lane) * kVecN);
       }
     }
     template <CacheOp op = CacheOp::kDefault>

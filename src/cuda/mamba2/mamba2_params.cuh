@@ -152,7 +152,7 @@ struct ReplaySmem {
   __host__ __device__ int tau() const { return fold_tau() + align16(hpc * 4); }     // [hpc][Tm]
   __host__ __device__ int G() const { return tau() + align16(hpc * Tm * 4); }       // [Tm][R]
   __host__ __device__ int coef() const { return G() + align16(Tm * R * 4); }        // [hpc][Tm][R]
-  __host__ __device__ int dot() const { return coef() + align16(hpc * Tm * R * 4); }  // [hpc][Tm][P]
+  __host__ __device__ int dot() const { return coef() + align16(hpc * Tm * R * 4); }  // [Tm][hpc·P]
   __host__ __device__ int bytes() const { return dot() + align16(hpc * Tm * P * 4); }
 };
 

@@ -83,6 +83,22 @@ struct Stage {
     const int chunk = (col / kChunkElems) ^ chunk_xor(row);
     return stage + row * kDstate + chunk * kChunkElems + col % kChunkElems;
   }
+  /// Byte offset in a stage of a tile's 16-byte piece c (pieces numbered in memory order).
+  __device__ __forceinline__ static int piece_offset(int c) {
+    const int row = c / kRowChunks;
+    return (row * kRowChunks + ((c % kRowChunks) ^ chunk_xor(row))) * 16;
+  }
+  /// The XOR takes fewer bits than a row's vector index within its lane group (vec.cuh), so a
+  /// row's lane reads its vector k at k·kLanesPerRow + (lane ^ chunk_xor): the swizzle is a
+  /// permutation of the lanes, the same for every vector of the row.
+  static_assert(kLanesPerRow >= 8, "the XOR (< 8) stays inside a lane group");
+  static_assert(Split::kVec<T> == kChunkElems, "a lane's vector is a chunk");
+  /// Rows kRowGroups apart (one row group's rows of a tile) share their swizzle bits, and so do
+  /// the pieces a thread copies into a whole tile (kReplayThreads apart): both read or write at
+  /// the offset of their first, plus a constant.
+  static_assert(kRowGroups % 8 == 0 && (kReplayThreads / kRowChunks) % 8 == 0 &&
+                    kReplayThreads % kRowChunks == 0,
+                "strided rows keep their swizzle bits");
 };
 
 // Where one block is, and its shared memory.
@@ -294,14 +310,26 @@ __device__ __forceinline__ void issue_tile(const Block& k, const stream_t* src, 
   constexpr int kRows = kTileRows<stream_t>;
   const int row0 = tile * kRows;
   if (row0 < k.rows) {
-    const int bytes = min(kRows, k.rows - row0) * kDstate * int(sizeof(stream_t));
     unsigned char* dst = k.smem + k.at.pipe() + (tile % kStages) * kTileBytes;
     const auto* from = reinterpret_cast<const unsigned char*>(src + std::int64_t{row0} * kDstate);
     using S = Stage<stream_t>;
-    for (int c = threadIdx.x; c < bytes / 16; c += blockDim.x) {
-      const int row = c / S::kRowChunks;
-      const int to = row * S::kRowChunks + ((c % S::kRowChunks) ^ S::chunk_xor(row));
-      cp_async_16(dst + to * 16, from + c * 16);
+    if (row0 + kRows <= k.rows) {
+      // A whole tile: a thread's pieces are kReplayThreads apart and share one swizzle (Stage),
+      // so they take one offset computation and constant strides (a per-piece index computation
+      // was a third of a reading block's instructions in the tile loop).
+      constexpr int kStride = kReplayThreads * 16;
+      static_assert(kTileBytes % kStride == 0, "whole rounds of pieces");
+      const int to = S::piece_offset(int(threadIdx.x));
+      const int at = int(threadIdx.x) * 16;
+#pragma unroll
+      for (int i = 0; i < kTileBytes / kStride; ++i) {
+        cp_async_16(dst + to + i * kStride, from + at + i * kStride);
+      }
+    } else {
+      const int bytes = (k.rows - row0) * kDstate * int(sizeof(stream_t));
+      for (int c = threadIdx.x; c < bytes / 16; c += blockDim.x) {
+        cp_async_16(dst + S::piece_offset(c), from + c * 16);
+      }
     }
   }
   cp_async_commit();
@@ -505,7 +533,7 @@ __device__ __forceinline__ void read_tile_mma(
     if (r >= k.rows || n >= k.T) continue;
     float value = acc[e];
     if constexpr (CheckpointTypes<P>::kScaled) value *= k.ptr(k.at.scale())[r];
-    float* out = dots + ((r / k.P) * k.Tm + n) * k.P + r % k.P;
+    float* out = dots + n * k.rows + r;
     if constexpr (Shape::kSplit == 1) {
       *out = value;
     } else {
@@ -520,66 +548,92 @@ __device__ __forceinline__ void lane_columns(const float* row, float (&out)[kPer
   Split::gather<order_t>(row, threadIdx.x % kLanesPerRow, out);
 }
 
-// Step 3 for one row (this lane's 16 columns): row `srow` of `stage`; (hl, p) is its head
-// within the block and its row within the head. c0 holds C_0's columns.
-// With kFold the row is folded here first, unless `folded` says fold_tile_mma already did.
-template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
-__device__ __forceinline__ void process_row(const Block& k, const CheckpointHead<P>& ckpt,
-                                            const stream_t* stage, int srow, int hl, int p,
-                                            bool active, bool folded,
-                                            const float (&c0)[kPerLane]) {
+// (S·C_t)[r] of one row for every window token t, into dots[t][r]: this lane's 16 products,
+// summed over the row's 8 lanes. C_0's columns come from registers (c0; every step has a t = 0),
+// the later tokens' from Cf. Every lane of the warp must call it (the sum shuffles).
+template <typename order_t>
+__device__ __forceinline__ void row_dots(const Block& k, const float (&v)[kPerLane], int r,
+                                         bool active, float row_scale,
+                                         const float (&c0)[kPerLane]) {
+  if (k.T == 0) return;  // an explicit fold: no window
+  const int lane = threadIdx.x % kLanesPerRow;
+  float* dots = k.ptr(k.at.dot());
+  const auto dot = [&](int t, const float(&c)[kPerLane]) {
+    float part = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) part += v[e] * c[e];
+    part = group_sum<kLanesPerRow>(part);
+    if (active && lane == 0) dots[t * k.rows + r] = part * row_scale;
+  };
+  dot(0, c0);
+  for (int t = 1; t < k.T; ++t) {
+    float c[kPerLane];
+    lane_columns<order_t>(k.ptr(k.at.Cf()) + t * kDstate, c);
+    dot(t, c);
+  }
+}
+
+// Step 3 of a reading step on the CUDA cores: the dot products of this row group's rows of a
+// stage (kRowsPerGroup of them, kRowGroups apart). `lane_x` is the lane's vector index in those
+// rows, the swizzle applied (Stage: rows kRowGroups apart share it), so that a row costs its
+// loads, conversions, products and sum and nothing else: per-row index arithmetic was as many
+// instructions as the products.
+template <CheckpointPrecision P, typename stream_t>
+__device__ __forceinline__ void read_rows(const Block& k, const stream_t* stage, int tile,
+                                          int group, int lane_x, const float (&c0)[kPerLane]) {
+#pragma unroll
+  for (int m = 0; m < kRowsPerGroup<stream_t>; ++m) {
+    const int srow = m * kRowGroups + group;
+    const int r = tile * kTileRows<stream_t> + srow;
+    const bool active = r < k.rows;
+    float v[kPerLane] = {};
+    float row_scale = 1.0f;  // fp8 read copy: S·C = scale·(q·C), the scale applied to the sum
+    if (active) {
+      typename Split::template Fragment<stream_t> f;
+      f.load(stage + srow * kDstate, lane_x);
+      f.unpack(v);
+      if constexpr (CheckpointTypes<P>::kScaled) row_scale = k.ptr(k.at.scale())[r];
+    }
+    row_dots<stream_t>(k, v, r, active, row_scale, c0);
+  }
+}
+
+// Step 3 of a folding step for one row (this lane's 16 columns): row `srow` of `stage`; (hl, p)
+// is its head within the block and its row within the head. The row is folded here, unless
+// `folded` says fold_tile_mma already did, stored to every copy, and its dot products taken.
+template <typename input_t, CheckpointPrecision P, typename stream_t>
+__device__ __forceinline__ void fold_row(const Block& k, const CheckpointHead<P>& ckpt,
+                                         const stream_t* stage, int srow, int hl, int p,
+                                         bool active, bool folded, const float (&c0)[kPerLane]) {
   using order_t = stream_t;
   const int lane = threadIdx.x % kLanesPerRow;
   const int r = hl * k.P + p;
   float v[kPerLane];
   if (active) {
     typename Split::template Fragment<stream_t> f;
-    static_assert(Split::kVec<stream_t> == Stage<stream_t>::kChunkElems, "a vector is a chunk");
-    f.load(stage + srow * kDstate, lane, Stage<stream_t>::chunk_xor(srow));
+    f.load(stage + srow * kDstate, lane ^ Stage<stream_t>::chunk_xor(srow));
     f.unpack(v);
   } else {
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) v[e] = 0.0f;
   }
-  // fp8 read copy: S·C = scale·(q·C), the row's scale applied once to the sum.
-  float row_scale = 1.0f;
-  if constexpr (CheckpointTypes<P>::kScaled && !kFold) {
-    if (active) row_scale = k.ptr(k.at.scale())[r];
+  // S ← τ·S, then S += (weight_j·x_j[p])·B_j[n] record by record (cpu fold_head_mamba2).
+  const int xrec = k.hpc * k.P;
+  const input_t* xs = k.ptr<input_t>(k.at.x());
+  const float tau = folded ? 1.0f : k.ptr(k.at.fold_tau())[hl];
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) v[e] *= tau;
+  const float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
+  const float* Bf = k.ptr(k.at.Bf());
+  for (int j = 0; j < (folded ? 0 : k.w); ++j) {
+    float key[kPerLane];
+    lane_columns<order_t>(Bf + j * kDstate, key);
+    const float xw = active ? weight[j] * to_float(xs[j * xrec + r]) : 0.0f;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) v[e] += xw * key[e];
   }
-  if constexpr (kFold) {
-    // S ← τ·S, then S += (weight_j·x_j[p])·B_j[n] record by record (cpu fold_head_mamba2).
-    const int xrec = k.hpc * k.P;
-    const input_t* xs = k.ptr<input_t>(k.at.x());
-    const float tau = folded ? 1.0f : k.ptr(k.at.fold_tau())[hl];
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) v[e] *= tau;
-    const float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
-    const float* Bf = k.ptr(k.at.Bf());
-    for (int j = 0; j < (folded ? 0 : k.w); ++j) {
-      float key[kPerLane];
-      lane_columns<order_t>(Bf + j * kDstate, key);
-      const float xw = active ? weight[j] * to_float(xs[j * xrec + r]) : 0.0f;
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) v[e] += xw * key[e];
-    }
-    checkpoint_store<P, Split, order_t>(ckpt, r, lane, active, v);
-  }
-  // (S·C_t)[p]: this lane's 16 products, summed over the row's 8 lanes.
-  float* dots = k.ptr(k.at.dot());
-  for (int t = 0; t < k.T; ++t) {
-    float c[kPerLane];
-    if (t == 0) {
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) c[e] = c0[e];
-    } else {
-      lane_columns<order_t>(k.ptr(k.at.Cf()) + t * kDstate, c);
-    }
-    float part = 0.0f;
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) part += v[e] * c[e];
-    part = group_sum<kLanesPerRow>(part);
-    if (active && lane == 0) dots[(hl * k.Tm + t) * k.P + p] = part * row_scale;
-  }
+  checkpoint_store<P, Split, order_t>(ckpt, r, lane, active, v);
+  row_dots<order_t>(k, v, r, active, 1.0f, c0);
 }
 
 // Step 4: one thread per output element (head, t, p); stores run along head_dim.
@@ -597,7 +651,7 @@ __device__ void write_outputs(const Params& p, const Block& k) {
     const int hl = i / (T * P), t = (i / P) % T, r = i % P;
     const int h = k.h0 + hl;
     const int last = k.nout - T + t;
-    float acc = tau[hl * k.Tm + t] * dots[(hl * k.Tm + t) * P + r];
+    float acc = tau[hl * k.Tm + t] * dots[t * k.rows + hl * P + r];
     const float* coef = coef_all + (hl * k.Tm + t) * k.R;
     const input_t* x = xs + k.out0 * xrec + hl * P + r;
     for (int j = 0; j <= last; ++j) acc += coef[j] * to_float(x[j * xrec]);
@@ -631,8 +685,9 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   if (k.T > 0) lane_columns<stream_t>(k.ptr(k.at.Cf()), c0);
   const int ntiles = (k.rows + kRows - 1) / kRows;
   const int group = threadIdx.x / kLanesPerRow;
-  // This row group's next row: head within the block, row within the head. Row m of the group
-  // in a tile is tile row group + 32·m, so the rows a group visits advance by 32 each time.
+  const int lane_x = (threadIdx.x % kLanesPerRow) ^ Stage<stream_t>::chunk_xor(group);
+  // A folding row group's next row: head within the block, row within the head. Row m of the
+  // group in a tile is tile row group + 32·m, so the rows a group visits advance by 32 each time.
   int hl = group / k.P, pr = group % k.P;
   bool mma = false;  // whether this fold runs on the tensor cores
   if constexpr (kFold) mma = fold_on_tensor_cores(k);
@@ -665,12 +720,14 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
         fold_tile_mma<input_t>(k, stage, tile);
         __syncthreads();  // a row's columns were folded by several warps
       }
-    }
 #pragma unroll
-    for (int m = 0; m < kRowsPerGroup<stream_t>; ++m) {
-      process_row<input_t, P, stream_t, kFold>(
-          k, ckpt, stage, m * kRowGroups + group, hl, pr, hl < k.hpc, mma, c0);
-      for (pr += kRowGroups; pr >= k.P; pr -= k.P) ++hl;
+      for (int m = 0; m < kRowsPerGroup<stream_t>; ++m) {
+        fold_row<input_t, P, stream_t>(k, ckpt, stage, m * kRowGroups + group, hl, pr,
+                                       hl < k.hpc, mma, c0);
+        for (pr += kRowGroups; pr >= k.P; pr -= k.P) ++hl;
+      }
+    } else {
+      read_rows<P>(k, stage, tile, group, lane_x, c0);
     }
     __syncthreads();  // the stage is free again
     issue_tile(k, src, tile + kS);
