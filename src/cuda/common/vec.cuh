@@ -97,18 +97,37 @@ struct Packed {
       return;
     }
 #endif
-    T e[kN];
-    memcpy(e, w, kBytes);
+    if constexpr (std::is_same_v<T, bf16_t> && kN % 2 == 0) {
+      // Two per 32-bit word: the low one shifted up, the high one masked (to_float exactly, one
+      // instruction a value where extracting each half first took two).
+      std::uint32_t pairs[kN / 2];
+      memcpy(pairs, w, kBytes);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) out[i] = to_float(e[i]);
+      for (int i = 0; i < kN / 2; ++i) {
+        out[2 * i] = __uint_as_float(pairs[i] << 16);
+        out[2 * i + 1] = __uint_as_float(pairs[i] & 0xffff0000u);
+      }
+    } else {
+      T e[kN];
+      memcpy(e, w, kBytes);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) out[i] = to_float(e[i]);
+    }
   }
 
   /// element i = in[i] rounded to T (numeric.h's from_float: nearest-even, fp8 saturating).
   __device__ __forceinline__ void pack(const float (&in)[kN]) {
-    T e[kN];
+    if constexpr (std::is_same_v<T, bf16_t> && kN % 2 == 0) {
+      std::uint32_t pairs[kN / 2];
 #pragma unroll
-    for (int i = 0; i < kN; ++i) e[i] = from_float<T>(in[i]);
-    memcpy(w, e, kBytes);
+      for (int i = 0; i < kN / 2; ++i) pairs[i] = float2_to_bf16x2(in[2 * i], in[2 * i + 1]);
+      memcpy(w, pairs, kBytes);
+    } else {
+      T e[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) e[i] = from_float<T>(in[i]);
+      memcpy(w, e, kBytes);
+    }
   }
 };
 

@@ -162,6 +162,9 @@ struct ReplayParams {
   int num_tokens = 1;  ///< T; 0 = an explicit fold (state_cache_fold): no window, no outputs
   int layer = 0;       ///< decode: the layer; explicit fold: blockIdx.z is the layer
   int heads_per_key = 1;
+  /// ceil(2^32 / V) for V > 1, 0 for V = 1: a row's value head r / V as one multiply-high
+  /// (exact for r and V below 2^16), value_head() in gdn_replay.cu
+  std::uint32_t row_head_magic = 0;
   int records = 0;     ///< staged ring records a CTA has room for: history + window
   bool vec_async = false;  ///< ring v records of G heads are 16-byte aligned runs (cp.async)
   bool fold_first = false;  ///< serve the rows whose fold is due first (fold_order.cuh)

@@ -256,15 +256,20 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
   }
 }
 
+/// The local value head of row r of a key head's G·V rows (r / V without a division).
+__device__ __forceinline__ int value_head(const ReplayParams& p, int r) {
+  return p.row_head_magic == 0 ? r : int(__umulhi(std::uint32_t(r), p.row_head_magic));
+}
+
 /// Phase 3 for one row (this lane's values s of the read copy, order_t layout): the T outputs
-/// o_t[row] = S_read[row]·t_t + ring part. Every lane of the warp must call it.
+/// o_t[row] = S_read[row]·t_t + ring part, for row v of local value head h. `out` is the row's
+/// output of token 0 (token t's is t·Hv·V further). Every lane of the warp must call it.
 template <typename input_t, typename order_t>
-__device__ __forceinline__ void emit_outputs(const ReplayParams& p, int b, int hk, int row,
+__device__ __forceinline__ void emit_outputs(const ReplayParams& p, int h, int v, input_t* out,
                                              bool active, const float (&s)[kPerLane],
                                              const float* s_f, int lane) {
   const int V = p.cache.dims.rows, Hv = p.cache.dims.heads, G = p.heads_per_key;
   const int T = p.num_tokens;
-  const int h = row / V, v = row - h * V;
   for (int t = 0; t < T; ++t) {
     float q[kPerLane];
     gather_smem<order_t>(s_f + p.smem.tq + (t * G + h) * kMaxHeadKDim, lane, q);
@@ -273,9 +278,7 @@ __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int b, int h
     for (int i = 0; i < kPerLane; ++i) dot += s[i] * q[i];
     dot = group_sum<kRowLanes>(dot);
     if (active && lane == 0) {
-      const float out = s_f[p.smem.oring + (t * G + h) * V + v] + dot;
-      static_cast<input_t*>(p.in.o)[((std::int64_t{b} * T + t) * Hv + hk * G) * V + row] =
-          from_float<input_t>(out);
+      out[t * Hv * V] = from_float<input_t>(s_f[p.smem.oring + (t * G + h) * V + v] + dot);
     }
   }
 }
@@ -318,13 +321,17 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   using Frag = typename Split::template Fragment<read_t>;
   Frag f[kRows];
   float scale[kRows];
+  // A pass reads rows base + rg + u·kRowGroups; this thread's first row and the strides are
+  // computed once (the index arithmetic per row was as many instructions as the row's loads).
+  const read_t* rows = ck.read_row(row_begin + rg);
   const auto load_pass = [&](int base) {
+    const read_t* at = rows + std::int64_t{base - row_begin} * K;
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
       const int r = base + rg + u * kRowGroups;
       scale[u] = 1.0f;
       if (r < row_end) {
-        load_cols<CacheOp::kStreaming>(f[u], ck.read_row(r), lane, K);
+        load_cols<CacheOp::kStreaming>(f[u], at + u * kRowGroups * K, lane, K);
         if constexpr (Traits::kScaled) scale[u] = ck.scale[r];
       } else {
         f[u] = {};
@@ -364,6 +371,10 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 
   // Phase 3.
   const float* s_f = reinterpret_cast<const float*>(smem);
+  // This CTA's outputs (token 0) as rows of its key head: [batch, T, Hv, V] at (b, 0, hk·G).
+  input_t* out_rows =
+      T > 0 ? static_cast<input_t*>(p.in.o) + (std::int64_t{b} * T * l.dims.heads + hk * G) * V
+            : nullptr;
   if (!fold) {
     // One pass per CTA at the host's tiling; the loop bound is the same for the whole block
     // (base, not a lane's own row): the row reductions shuffle over full warps, so a lane
@@ -379,7 +390,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 #pragma unroll
           for (int i = 0; i < kPerLane; ++i) s[i] = __fmul_rn(s[i], scale[u]);
         }
-        emit_outputs<input_t, read_t>(p, b, hk, min(r, row_end - 1), r < row_end, s, s_f, lane);
+        const int h = min(value_head(p, r), G - 1);  // past the end: any head, nothing stored
+        emit_outputs<input_t, read_t>(p, h, r - h * V, out_rows + r, r < row_end, s, s_f, lane);
       }
     }
     return;
@@ -399,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 #pragma unroll
     for (int u = 0; u < kFoldRows; ++u) {
       row[u] = min(r0 + u * kRowGroups, row_end - 1);
-      h[u] = row[u] / V;
+      h[u] = value_head(p, row[u]);
       MasterFrag m;
       if (r0 + u * kRowGroups < row_end) {
         load_cols<CacheOp::kStreaming>(m, ck.master_row(row[u]), lane, K);
@@ -443,7 +455,10 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     for (int u = 0; u < kFoldRows; ++u) {
       const bool active = r0 + u * kRowGroups < row_end;
       checkpoint_store_cols<P, read_t>(ck, row[u], lane, active, K, s[u]);
-      if (T > 0) emit_outputs<input_t, read_t>(p, b, hk, row[u], active, s[u], s_f, lane);
+      if (T > 0) {
+        emit_outputs<input_t, read_t>(p, h[u], row[u] - h[u] * V, out_rows + row[u], active, s[u],
+                                      s_f, lane);
+      }
     }
   }
   // Every thread read `folded` before the staging barrier.
@@ -454,6 +469,10 @@ template <typename input_t, CheckpointPrecision P>
 Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   using read_t = typename CheckpointTypes<P>::read_t;
   const int group_rows = p.heads_per_key * p.cache.dims.rows;
+  if (group_rows >= (1 << 16)) {  // value_head's multiply-high is exact below 2^16 rows
+    return unsupported("gdn CUDA replay takes fewer than 65536 value rows per key head, got " +
+                       std::to_string(group_rows));
+  }
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
   static const int min_splits = tuning_value("REPLAYSSM_TUNE_GDN_MIN_SPLITS", kMinRowSplits);
@@ -492,6 +511,7 @@ Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t s
   p.cache = l;
   p.heads_per_key = l.dims.heads / l.dims.key_heads;
   const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key;
+  p.row_head_magic = V > 1 ? std::uint32_t(((std::uint64_t{1} << 32) + V - 1) / V) : 0u;
   const int in_size = static_cast<int>(dtype_size(c.input_dtype));
   const int batch = work.batch;
   p.layer = work.first_layer;
