@@ -51,6 +51,9 @@ struct BenchOptions {
   DType eager_state_dtype = DType::kF32;
   DType input_dtype = DType::kBF16;  ///< activations
   FlushPattern flush = FlushPattern::kAligned;
+  /// Replay caches with StateCacheConfig::share_forked_checkpoints (nothing forked): what the
+  /// release pass before every decode costs.
+  bool share_forked_checkpoints = false;
   int repetitions = 5;  ///< timed cycles per case; the median is reported
   int warmup_cycles = 1;
   /// Rotate over enough slot groups that one cycle touches at least this much state, so the

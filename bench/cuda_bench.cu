@@ -289,6 +289,7 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   config.buffer_len = o.buffer_len;
   config.max_spec_tokens = cs.window;
   config.checkpoint = cs.checkpoint;
+  config.share_forked_checkpoints = o.share_forked_checkpoints && cs.mode == DecodeMode::kReplay;
   OwnedStream stream;
   REPLAYSSM_RETURN_IF_ERROR(stream.create());
   CaseRunner runner(batch, groups, inputs, stream.s);

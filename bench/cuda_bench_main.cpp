@@ -58,6 +58,9 @@ int main(int argc, char** argv) {
   app.add_option("--spec-batches", spec_batches, "Batch sizes of the comparison")->delimiter(',');
   app.add_option("--reps", reps, "Timed repetitions (median)")->check(CLI::Range(1, 1000));
   app.add_option("--json", json, "Write all results as JSON");
+  bool share = false;
+  app.add_flag("--share-forked-checkpoints", share,
+               "Replay caches that share forked checkpoints (the release pass of every decode)");
   CLI11_PARSE(app, argc, argv);
 
   BenchOptions o;
@@ -65,6 +68,7 @@ int main(int argc, char** argv) {
   o.shapes = shapes;
   o.batches = batches;
   o.repetitions = reps;
+  o.share_forked_checkpoints = share;
   o.checkpoints.clear();
   for (const std::string& c : checkpoints) {
     CheckpointPrecision p;

@@ -14,6 +14,7 @@
 
 #include "bench.h"
 #include "bytes_model.h"
+#include "checkpoint_sharing.h"
 #include "common/checkpoint_traits.h"
 #include "cuda_bench_util.cuh"
 #include "replayssm/ops.h"
@@ -39,29 +40,38 @@ __global__ void copy_kernel(const uint4* src, uint4* dst, std::int64_t words) {
   }
 }
 
-// Captures `enqueue(stream)` into a graph and times its replays: the median µs per replay.
+// Captures `enqueue(stream)` into a graph.
 template <typename Enqueue>
-Status time_op(cudaStream_t stream, int reps, Enqueue enqueue, double* us) {
+Status capture(cudaStream_t stream, Enqueue enqueue, GraphExec* exec) {
   cudaGraph_t graph = nullptr;
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   const Status captured = enqueue(stream);
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamEndCapture(stream, &graph));
   REPLAYSSM_RETURN_IF_ERROR(captured);
-  GraphExec exec;
-  const cudaError_t inst = cudaGraphInstantiate(&exec.exec, graph, 0);
+  const cudaError_t inst = cudaGraphInstantiate(&exec->exec, graph, 0);
   (void)cudaGraphDestroy(graph);
   REPLAYSSM_CUDA_RETURN_IF_ERROR(inst);
+  return Status::ok();
+}
+
+// Captures `enqueue(stream)` into a graph and times its replays: the median µs per replay.
+template <typename Enqueue>
+Status time_op(cudaStream_t stream, int reps, Enqueue enqueue, double* us) {
+  GraphExec exec;
+  REPLAYSSM_RETURN_IF_ERROR(capture(stream, enqueue, &exec));
   std::vector<double> times;
   REPLAYSSM_RETURN_IF_ERROR(time_graph(exec, stream, 2, reps, &times));
   *us = median(times);
   return Status::ok();
 }
 
-// The cursors of every source: folded = kFolded, committed = kFolded + k.
-Status set_cursors(StateCache& cache, int batch, int k) {
+// The cursors of every source: folded = kFolded, committed = kFolded + k; the targets the
+// same with `target_k` records.
+Status set_cursors(StateCache& cache, int batch, int k, int target_k = 0) {
   std::vector<std::uint32_t> committed(std::size_t(cache.config().capacity), kFolded);
   std::vector<std::uint32_t> folded(committed.size(), kFolded);
   for (int s = 0; s < batch; ++s) committed[std::size_t(s)] = kFolded + std::uint32_t(k);
+  for (int s = batch; s < 2 * batch; ++s) committed[std::size_t(s)] = kFolded + std::uint32_t(target_k);
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaMemcpy(cache.buffer(CacheBufferId::kCommitted),
                                             committed.data(), committed.size() * 4,
                                             cudaMemcpyHostToDevice));
@@ -83,13 +93,20 @@ Status bench_case(const BenchShape& shape, CheckpointPrecision checkpoint,
   cfg.buffer_len = o.buffer_len;
   cfg.max_spec_tokens = 1;
   cfg.checkpoint = checkpoint;
-  std::unique_ptr<StateCache> cache;
-  REPLAYSSM_RETURN_IF_ERROR(state_cache_create(cfg, &cache));
-  for (int s = 0; s < cfg.capacity; ++s) {
-    REPLAYSSM_RETURN_IF_ERROR(state_cache_claim_slot(*cache, s));
-  }
-  // The claims' resets ran on the default stream, which the bench's stream does not wait for.
-  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  const auto create = [&](bool share, std::unique_ptr<StateCache>* out) {
+    StateCacheConfig c = cfg;
+    c.share_forked_checkpoints = share;
+    REPLAYSSM_RETURN_IF_ERROR(state_cache_create(c, out));
+    for (int s = 0; s < c.capacity; ++s) {
+      REPLAYSSM_RETURN_IF_ERROR(state_cache_claim_slot(**out, s));
+    }
+    // The claims' resets ran on the default stream, which the bench's stream does not wait for.
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    return Status::ok();
+  };
+  std::unique_ptr<StateCache> cache, sharing;
+  REPLAYSSM_RETURN_IF_ERROR(create(false, &cache));
+  REPLAYSSM_RETURN_IF_ERROR(create(true, &sharing));
   const StateDims d = cfg.dims();
   const double E = double(d.state_elems());
   const CheckpointTraits t = checkpoint_traits(checkpoint);
@@ -110,6 +127,17 @@ Status bench_case(const BenchShape& shape, CheckpointPrecision checkpoint,
   REPLAYSSM_RETURN_IF_ERROR(states.allocate(Device::kCuda, std::size_t(b * E * 4)));
   REPLAYSSM_RETURN_IF_ERROR(copy_from.allocate(Device::kCuda, std::size_t(b * E * 4)));
 
+  // Forks every source of cache `c` onto its target at `positions`.
+  const auto fork_on = [&](StateCache& c) {
+    return [&, target = &c](cudaStream_t s) {
+      ForkArgs a;
+      a.batch = o.batch;
+      a.src_slots = src_ids.get<const std::int32_t>();
+      a.dst_slots = dst_ids.get<const std::int32_t>();
+      a.positions = positions.get<const std::uint32_t>();
+      return state_cache_fork(*target, a, s);
+    };
+  };
   double copy_gbps = 0.0;  // the state copy's, measured first
   auto add = [&](const char* op, int k, double us, double bytes, double deferred) {
     PrefixBenchRow r;
@@ -153,16 +181,62 @@ Status bench_case(const BenchShape& shape, CheckpointPrecision checkpoint,
       return state_cache_materialize(*cache, a, s);
     }, &us));
     add("materialize", k, us, b * (E * master + k * record + E * 4.0), 0.0);
-    REPLAYSSM_RETURN_IF_ERROR(time_op(stream, o.repetitions, [&](cudaStream_t s) {
-      ForkArgs a;
-      a.batch = o.batch;
-      a.src_slots = src_ids.get<const std::int32_t>();
-      a.dst_slots = dst_ids.get<const std::int32_t>();
-      a.positions = positions.get<const std::uint32_t>();
-      return state_cache_fork(*cache, a, s);
-    }, &us));
+    REPLAYSSM_RETURN_IF_ERROR(time_op(stream, o.repetitions, fork_on(*cache), &us));
     add("fork", k, us, b * 2.0 * (checkpoint_bytes + k * record), b * 2.0 * k * record);
+
+    // The same fork on a cache that shares forked checkpoints (copy on fold): the records and
+    // the cursors; its release pass finds no target lending anything.
+    REPLAYSSM_RETURN_IF_ERROR(set_cursors(*sharing, o.batch, k));
+    REPLAYSSM_RETURN_IF_ERROR(time_op(stream, o.repetitions, fork_on(*sharing), &us));
+    add("fork shared", k, us, b * 2.0 * k * record, b * 2.0 * k * record);
   }
+
+  // What sharing adds to a decode: the release pass over the batch. Every target reads its
+  // source's checkpoint (the forks above) with k = L − 1 records: no row's fold is due, so the
+  // pass only looks (the cost every decode of a sharing cache pays).
+  StateCacheLayout& l = sharing->layout();
+  ReleaseArgs idle;
+  idle.num_layers = 1;
+  idle.batch = o.batch;
+  idle.slot_ids = dst_ids.get<const std::int32_t>();
+  idle.why = ReleaseFor::kFold;
+  idle.num_tokens = 1;
+  double idle_us = 0.0;
+  REPLAYSSM_RETURN_IF_ERROR(time_op(stream, o.repetitions, [&](cudaStream_t s) {
+    return release_checkpoints(l, idle, s);
+  }, &idle_us));
+  add("release, none due", 0, idle_us, 0.0, 0.0);
+
+  // The deferred copy: every target's first fold (L records due) takes its own checkpoint
+  // from its source's rows, once. Timed per call with events, each after a fresh fork.
+  const int k = o.buffer_len - 1;
+  std::vector<double> first_fold;
+  GraphExec fork_exec;
+  {
+    std::vector<std::uint32_t> at(src.size(), kFolded + std::uint32_t(k));
+    REPLAYSSM_RETURN_IF_ERROR(positions.assign(Device::kCuda, at));
+  }
+  REPLAYSSM_RETURN_IF_ERROR(capture(stream, fork_on(*sharing), &fork_exec));
+  cudaEvent_t start, stop;
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  for (int r = 0; r < o.repetitions + 1; ++r) {
+    REPLAYSSM_RETURN_IF_ERROR(set_cursors(*sharing, o.batch, k));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(fork_exec.exec, stream));
+    // The targets' fold is due: L committed records past their fold.
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    REPLAYSSM_RETURN_IF_ERROR(set_cursors(*sharing, o.batch, k, o.buffer_len));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+    REPLAYSSM_RETURN_IF_ERROR(release_checkpoints(l, idle, stream));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+    if (r > 0) first_fold.push_back(double(ms) * 1e3);  // the first is a warm-up
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  add("release, first fold", 0, median(first_fold), b * 2.0 * checkpoint_bytes, 0.0);
   return Status::ok();
 }
 

@@ -5,11 +5,13 @@
 /// plain copy of the same pairs' fp32 states (what an engine without replay moves to keep or
 /// fork a state), with the bytes each must move:
 ///   materialize    read the master (E·4, or E·2 in shared bf16) + k ring records, write E·4
-///   fork (now)     read + write every checkpoint copy (+ fp8 scales) and k ring records
-///   fork deferred  read + write k ring records: the fork whose checkpoint copy waits for the
-///                  copy's first fold (a model only; docs/ARCHITECTURE.md says what it needs)
+///   fork           read + write every checkpoint copy (+ fp8 scales) and k ring records
+///   fork shared    read + write k ring records (share_forked_checkpoints: the checkpoint is
+///                  copied on fold)
 ///   state copy     read + write E·4
 /// per pair, E the state's elements, k = p − folded the records between the last fold and p.
+/// And what sharing costs: the release pass before a decode when no row is due (per call),
+/// and when every copy's first fold is due (the deferred copy of every checkpoint copy).
 
 #include <string>
 #include <vector>
@@ -32,14 +34,14 @@ struct PrefixBenchOptions {
 struct PrefixBenchRow {
   std::string shape;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
-  std::string op;   ///< "materialize", "fork", "state copy"
+  std::string op;   ///< "materialize", "fork", "fork shared", "state copy", "release, ..."
   int records = 0;  ///< k
   double us = 0.0;  ///< median per call of the whole batch
   double model_bytes = 0.0;
   double gbps = 0.0;
   double pct_of_copy = 0.0;    ///< of the measured state copy's GB/s
   double bytes_vs_copy = 0.0;  ///< model bytes / the state copy's
-  /// fork only: the deferred fork's model bytes / the state copy's.
+  /// forks only: a shared fork's model bytes / the state copy's.
   double deferred_vs_copy = 0.0;
 };
 

@@ -40,13 +40,13 @@ int main(int argc, char** argv) {
   }
   std::printf("%s, batch %d pairs, one layer, L = %d, records of %s\n", report.device.c_str(),
               o.batch, o.buffer_len, dtype_name(o.input_dtype));
-  std::printf("%-12s %-10s %-12s %3s %10s %9s %8s %7s %10s %10s\n", "shape", "checkpoint", "op",
+  std::printf("%-12s %-10s %-20s %3s %10s %9s %8s %7s %10s %10s\n", "shape", "checkpoint", "op",
               "k", "us", "MB", "GB/s", "%copy", "vs copy", "deferred");
   for (const PrefixBenchRow& r : report.rows) {
-    std::printf("%-12s %-10s %-12s %3d %10.1f %9.1f %8.1f %6.0f%% %9.1f%%", r.shape.c_str(),
+    std::printf("%-12s %-10s %-20s %3d %10.1f %9.1f %8.1f %6.0f%% %9.1f%%", r.shape.c_str(),
                 checkpoint_precision_name(r.checkpoint), r.op.c_str(), r.records, r.us,
                 r.model_bytes / 1e6, r.gbps, r.pct_of_copy, 100.0 * r.bytes_vs_copy);
-    if (r.op == "fork") {
+    if (r.op == "fork" || r.op == "fork shared") {
       std::printf(" %9.1f%%", 100.0 * r.deferred_vs_copy);
     }
     std::printf("\n");

@@ -8,6 +8,7 @@
 
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
+#include "checkpoint_sharing.h"
 #include "replayssm/status.h"
 #include "state_cache_layout.h"
 
@@ -40,6 +41,8 @@ void fold_committed(StateCacheLayout& cache, int layer, int slot);
 void load_state(StateCacheLayout& cache, int layer, int slot, const float* state);
 void export_state(const StateCacheLayout& cache, int layer, int slot, float* state);
 void commit(StateCacheLayout& cache, const CommitArgs& args);
+/// checkpoint_sharing.h; the slots were validated.
+void release_checkpoints(StateCacheLayout& cache, const ReleaseArgs& args);
 }  // namespace cpu
 
 /// The CUDA backend (src/cuda/). A build without CUDA links cuda_unavailable.cpp instead, whose
@@ -66,6 +69,8 @@ Status commit(StateCacheLayout& cache, const CommitArgs& args, Stream stream);
 Status load_state(StateCacheLayout& cache, int layer, int slot, const float* state,
                   Stream stream);
 Status export_state(StateCacheLayout& cache, int layer, int slot, float* state, Stream stream);
+/// checkpoint_sharing.h: two launches (the copies, then the repointing), graph-capturable.
+Status release_checkpoints(StateCacheLayout& cache, const ReleaseArgs& args, Stream stream);
 }  // namespace cuda
 
 }  // namespace replayssm

@@ -75,6 +75,9 @@ std::optional<CacheBufferSpec> spec_of(CacheBufferId id, const StateCacheConfig&
     case CacheBufferId::kFolded: return layered(DType::kU32, {});
     case CacheBufferId::kPending: return layered(DType::kU8, {});
     case CacheBufferId::kAllocated: return make(DType::kU8, false, {});
+    case CacheBufferId::kCkptSource:
+    case CacheBufferId::kCkptBorrowers:
+      return replay && c.share_forked_checkpoints ? layered(DType::kU32, {}) : std::nullopt;
   }
   return std::nullopt;
 }
@@ -97,6 +100,8 @@ const char* cache_buffer_name(CacheBufferId id) {
     case CacheBufferId::kFolded: return "folded";
     case CacheBufferId::kPending: return "pending";
     case CacheBufferId::kAllocated: return "allocated";
+    case CacheBufferId::kCkptSource: return "ckpt_source";
+    case CacheBufferId::kCkptBorrowers: return "ckpt_borrowers";
   }
   return "?";
 }
@@ -127,6 +132,10 @@ bool zeroed_on_slot_reset(CacheBufferId id) {
     case CacheBufferId::kCommitted:
     case CacheBufferId::kFolded:
     case CacheBufferId::kPending:
+    // A slot is reset when it is taken, and a free slot neither reads another's checkpoint
+    // nor lends its own (free releases both).
+    case CacheBufferId::kCkptSource:
+    case CacheBufferId::kCkptBorrowers:
       return true;
     case CacheBufferId::kRingVec:
     case CacheBufferId::kRingKey:
@@ -155,6 +164,8 @@ void* layout_buffer(const StateCacheLayout& l, CacheBufferId id) {
     case CacheBufferId::kFolded: return l.folded;
     case CacheBufferId::kPending: return l.pending;
     case CacheBufferId::kAllocated: return l.allocated;
+    case CacheBufferId::kCkptSource: return l.ckpt_source;
+    case CacheBufferId::kCkptBorrowers: return l.ckpt_borrowers;
   }
   return nullptr;
 }
@@ -175,6 +186,8 @@ void bind_layout_buffer(StateCacheLayout& l, CacheBufferId id, void* p) {
     case CacheBufferId::kFolded: l.folded = static_cast<std::uint32_t*>(p); return;
     case CacheBufferId::kPending: l.pending = static_cast<std::uint8_t*>(p); return;
     case CacheBufferId::kAllocated: l.allocated = static_cast<std::uint8_t*>(p); return;
+    case CacheBufferId::kCkptSource: l.ckpt_source = static_cast<std::uint32_t*>(p); return;
+    case CacheBufferId::kCkptBorrowers: l.ckpt_borrowers = static_cast<std::uint32_t*>(p); return;
   }
 }
 

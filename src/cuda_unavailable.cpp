@@ -26,5 +26,6 @@ Status fold(StateCacheLayout&, const FoldArgs&, Stream) { return no_cuda(); }
 Status commit(StateCacheLayout&, const CommitArgs&, Stream) { return no_cuda(); }
 Status load_state(StateCacheLayout&, int, int, const float*, Stream) { return no_cuda(); }
 Status export_state(StateCacheLayout&, int, int, float*, Stream) { return no_cuda(); }
+Status release_checkpoints(StateCacheLayout&, const ReleaseArgs&, Stream) { return no_cuda(); }
 
 }  // namespace replayssm::cuda

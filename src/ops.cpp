@@ -9,9 +9,27 @@ namespace replayssm {
 
 bool cuda_available() { return cuda::device_present(); }
 
+namespace {
+
+// Rows whose fold is due stop sharing a checkpoint first (checkpoint_sharing.h).
+template <typename Args>
+Status release_before_decode(StateCache& cache, const Args& args, Stream stream) {
+  ReleaseArgs r;
+  r.first_layer = args.layer;
+  r.num_layers = 1;
+  r.batch = args.batch;
+  r.slot_ids = args.slot_ids;
+  r.why = ReleaseFor::kFold;
+  r.num_tokens = args.num_tokens;
+  return release_checkpoints(cache.layout(), r, stream);
+}
+
+}  // namespace
+
 Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_mamba2_decode(cache, args));
   if (args.batch == 0) return Status::ok();
+  REPLAYSSM_RETURN_IF_ERROR(release_before_decode(cache, args, stream));
   switch (cache.config().device) {
     case Device::kCpu:
       cpu::mamba2_decode(cache.layout(), args);
@@ -24,6 +42,7 @@ Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args, Stream str
 Status gdn_decode(StateCache& cache, const GdnDecodeArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_gdn_decode(cache, args));
   if (args.batch == 0) return Status::ok();
+  REPLAYSSM_RETURN_IF_ERROR(release_before_decode(cache, args, stream));
   switch (cache.config().device) {
     case Device::kCpu:
       cpu::gdn_decode(cache.layout(), args);

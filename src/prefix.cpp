@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "checkpoint_sharing.h"
 #include "prefix_backend.h"
 #include "validate.h"
 
@@ -250,13 +251,27 @@ Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream st
     }
   }
   return on_backend(
-      cache, [&] { cpu::restore(l, args); }, [&] { return cuda::restore(l, args, stream); });
+      cache,
+      [&] {
+        // The slot's checkpoint is replaced: it stops sharing (its borrowers get copies).
+        (void)release_slot_checkpoints(l, args.slot, 0, l.config.num_layers,
+                                       ReleaseFor::kOverwrite, stream);
+        cpu::restore(l, args);
+      },
+      [&] { return cuda::restore(l, args, stream); });
 }
 
 Status state_cache_fork(StateCache& cache, const ForkArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_fork(cache, args));
   if (args.batch == 0) return Status::ok();
   StateCacheLayout& l = cache.layout();
+  // What a dst slot lends goes to its borrowers first; the fork then repoints the dst.
+  ReleaseArgs release;
+  release.num_layers = l.config.num_layers;
+  release.batch = args.batch;
+  release.slot_ids = args.dst_slots;
+  release.why = ReleaseFor::kHandOff;
+  REPLAYSSM_RETURN_IF_ERROR(release_checkpoints(l, release, stream));
   return on_backend(
       cache, [&] { cpu::fork(l, args); }, [&] { return cuda::fork(l, args, stream); });
 }

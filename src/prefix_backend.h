@@ -69,6 +69,8 @@ inline SlotPart slot_part(CacheBufferId id) {
     case CacheBufferId::kFolded:
     case CacheBufferId::kPending:
     case CacheBufferId::kAllocated:
+    case CacheBufferId::kCkptSource:
+    case CacheBufferId::kCkptBorrowers:
       return SlotPart::kOther;
   }
   return SlotPart::kOther;
@@ -91,6 +93,8 @@ inline void* records_field(const CacheRecords& r, CacheBufferId id) {
     case CacheBufferId::kFolded:
     case CacheBufferId::kPending:
     case CacheBufferId::kAllocated:
+    case CacheBufferId::kCkptSource:
+    case CacheBufferId::kCkptBorrowers:
       return nullptr;
   }
   return nullptr;

@@ -8,6 +8,7 @@
 
 #include "backend.h"
 #include "cache_buffers.h"
+#include "checkpoint_sharing.h"
 #include "state_cache_layout.h"
 #include "validate.h"
 
@@ -71,6 +72,10 @@ Status validate_config(const StateCacheConfig& c) {
   }
   switch (c.mode) {
     case DecodeMode::kEager:
+      if (c.share_forked_checkpoints) {
+        return invalid_argument("share_forked_checkpoints needs a replay cache (an eager "
+                                "cache has no checkpoint to share and cannot fork)");
+      }
       if (!is_activation_dtype(c.state_dtype)) {
         return invalid_argument(std::string("unsupported eager state dtype ") +
                                 dtype_name(c.state_dtype) + "; supported: f32, bf16, f16");
@@ -278,6 +283,10 @@ Status state_cache_claim_slot(StateCache& cache, int slot, Stream stream) {
 
 Status state_cache_free_slot(StateCache& cache, int slot, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
+  // A free slot neither borrows nor lends a checkpoint: its borrowers get their own copies.
+  REPLAYSSM_RETURN_IF_ERROR(release_slot_checkpoints(cache.layout(), slot, 0,
+                                                     cache.config().num_layers,
+                                                     ReleaseFor::kOverwrite, stream));
   REPLAYSSM_RETURN_IF_ERROR(
       memory_set_byte(cache.config().device, cache.layout().allocated + slot, 0, stream));
   StateCacheAccess::host_allocated(cache)[static_cast<std::size_t>(slot)] = 0;
@@ -295,6 +304,8 @@ Status state_cache_load_state(StateCache& cache, int layer, int slot, const floa
   switch (l.config.device) {
     case Device::kCpu:
       REPLAYSSM_RETURN_IF_ERROR(validate_finite_state(l, state));
+      REPLAYSSM_RETURN_IF_ERROR(
+          release_slot_checkpoints(l, slot, layer, 1, ReleaseFor::kOverwrite, stream));
       cpu::load_state(l, layer, slot, state);
       return Status::ok();
     case Device::kCuda: return cuda::load_state(l, layer, slot, state, stream);
@@ -308,6 +319,8 @@ Status state_cache_export_state(StateCache& cache, int layer, int slot, float* s
   REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
   if (state == nullptr) return invalid_argument("state_cache_export_state: state is null");
   StateCacheLayout& l = cache.layout();
+  // Export folds first, so a slot that shares its checkpoint stops where the fold is due.
+  REPLAYSSM_RETURN_IF_ERROR(release_slot_checkpoints(l, slot, layer, 1, ReleaseFor::kFold, stream));
   switch (l.config.device) {
     case Device::kCpu:
       cpu::fold_committed(l, layer, slot);
@@ -334,6 +347,12 @@ Status state_cache_fold(StateCache& cache, const FoldArgs& args, Stream stream) 
   REPLAYSSM_RETURN_IF_ERROR(validate_batch_slots(cache, args.batch, args.slot_ids));
   StateCacheLayout& l = cache.layout();
   if (l.config.mode == DecodeMode::kEager || args.batch == 0) return Status::ok();
+  ReleaseArgs release;
+  release.num_layers = l.config.num_layers;
+  release.batch = args.batch;
+  release.slot_ids = args.slot_ids;
+  release.why = ReleaseFor::kFold;  // num_tokens 0: an explicit fold
+  REPLAYSSM_RETURN_IF_ERROR(release_checkpoints(l, release, stream));
   switch (l.config.device) {
     case Device::kCpu:
       for (int b = 0; b < args.batch; ++b) {

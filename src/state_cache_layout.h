@@ -85,6 +85,12 @@ struct StateCacheLayout {
   std::uint32_t* folded = nullptr;     // [layer][slot]
   std::uint8_t* pending = nullptr;     // [layer][slot]
   std::uint8_t* allocated = nullptr;   // [slot]
+  // share_forked_checkpoints only (else null), [layer][slot]: ckpt_source 0 when the slot's
+  // checkpoint is its own rows, t + 1 when it is slot t's (a fork not yet folded);
+  // ckpt_borrowers counts the slots whose ckpt_source names this one. A slot that lends never
+  // borrows (forks of a copy name its source's source). src/checkpoint_sharing.h has the rules.
+  std::uint32_t* ckpt_source = nullptr;
+  std::uint32_t* ckpt_borrowers = nullptr;
 
   // Sizes and offsets, in elements.
   REPLAYSSM_HD std::int64_t state_elems() const {
@@ -98,6 +104,19 @@ struct StateCacheLayout {
   /// Index of (layer, slot) among the per-layer regions of every [layer][slot] buffer.
   REPLAYSSM_HD std::int64_t layer_slot(int layer, int slot) const {
     return std::int64_t{layer} * config.capacity + slot;
+  }
+  /// The slot whose checkpoint rows (layer, slot) reads: its own, or while it shares one since
+  /// a fork, its source's. Every reader of a checkpoint addresses it through this; a slot
+  /// writes its checkpoint only after src/checkpoint_sharing.h's release made it its own. A
+  /// corrupt source past the slots reads as the slot's own.
+  REPLAYSSM_HD int checkpoint_owner(int layer, int slot) const {
+    if (ckpt_source == nullptr) return slot;
+    const std::uint32_t s = ckpt_source[layer_slot(layer, slot)];
+    return s != 0 && s <= std::uint32_t(config.capacity) ? int(s - 1) : slot;
+  }
+  /// checkpoint_owner's index among the [layer][slot] regions of the checkpoint buffers.
+  REPLAYSSM_HD std::int64_t checkpoint_region(int layer, int slot) const {
+    return layer_slot(layer, checkpoint_owner(layer, slot));
   }
   /// Index of ring entry `pos` of (layer, slot) in units of one record.
   REPLAYSSM_HD std::int64_t ring_record(int layer, int slot, std::uint32_t pos) const {

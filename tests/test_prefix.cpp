@@ -6,7 +6,10 @@
 //   - a forked slot, a truncated slot and a slot restored from an exact entry decode on bit for
 //     bit as the original did; one restored from an entry inside the window within the
 //     precision's bound of the oracle;
-//   - every refusal leaves every byte as it was.
+//   - every refusal leaves every byte as it was;
+//   - a cache that shares forked checkpoints (copy on fold) writes no checkpoint at a fork,
+//     and its slots decode, fold, export and materialize bit for bit as a cache that copies
+//     at fork does, through random serving (forks, frees, loads, truncations, windows).
 // The CUDA cases (names containing "Cuda", label `cuda`, skipped without a GPU) run the same
 // workloads on a CUDA cache against the CPU cache and the oracle, and capture the batched ops
 // in a CUDA graph.
@@ -17,7 +20,9 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -32,6 +37,7 @@
 #include "cache_buffers.h"
 #include "common/numeric.h"
 #include "cpu/reference.h"
+#include "prefix_backend.h"
 #include "replayssm/prefix.h"
 #include "testing/require_gpu.h"
 #include "testing/test_util.h"
@@ -631,14 +637,18 @@ class Continue : public ::testing::TestWithParam<PrefixCase> {
   // The source: sequence 0 in slot 0, run to 2L + 2 tokens (folded at 2L, 2 beyond).
   static constexpr int kSource = 0, kRunTo = 2 * kBufferLen + 2;
 
-  void SetUp() override {
+  void SetUp() override { set_up(/*share=*/false); }
+  // The source decoded to kRunTo in cache_ (sharing forked checkpoints when `share`), and the
+  // outputs of the same sequence in a cache that copies at fork.
+  void set_up(bool share) {
     const PrefixCase& c = GetParam();
     if (c.device == Device::kCuda) {
       SKIP_WITHOUT_GPU();
     }
     cfg_ = case_config(c, 8);
+    cfg_.share_forked_checkpoints = share;
     work_ = std::make_unique<Workload>(cfg_, 1, kLength, 29);
-    auto ref = testing::create_cache(cfg_);
+    auto ref = testing::create_cache(case_config(c, 8));
     claim(*ref, {5});
     recorded_ = record(*ref, *work_, 5, 0);
     cache_ = testing::create_cache(cfg_);
@@ -806,6 +816,365 @@ INSTANTIATE_TEST_SUITE_P(Prefix, Continue, ::testing::ValuesIn(cases(false)), ca
 INSTANTIATE_TEST_SUITE_P(CudaPrefix, Continue, ::testing::ValuesIn(cases(false, Device::kCuda)),
                          case_name);
 
+// ---- shared checkpoints (share_forked_checkpoints: copy on fold) ----------------------------
+
+std::uint32_t u32_of(const StateCache& cache, CacheBufferId id, int layer, int slot) {
+  const std::vector<std::uint8_t> bytes = region(cache, id, layer, slot);
+  std::uint32_t v = 0;
+  std::memcpy(&v, bytes.data(), sizeof v);
+  return v;
+}
+// The slot whose checkpoint (layer, slot) reads, -1 for its own; how many read slot's.
+int lender_of(const StateCache& cache, int layer, int slot) {
+  return int(u32_of(cache, CacheBufferId::kCkptSource, layer, slot)) - 1;
+}
+int borrowers_of(const StateCache& cache, int layer, int slot) {
+  return int(u32_of(cache, CacheBufferId::kCkptBorrowers, layer, slot));
+}
+
+// The bookkeeping of a sharing cache: each slot's borrower count is the number of slots that
+// name it, only allocated slots take part, and a lender never borrows.
+void expect_sharing_consistent(const StateCache& cache) {
+  const int slots = cache.config().capacity;
+  for (int l = 0; l < cache.config().num_layers; ++l) {
+    std::vector<int> named(std::size_t(slots), 0);
+    for (int x = 0; x < slots; ++x) {
+      const int lender = lender_of(cache, l, x);
+      if (lender < 0) continue;
+      ASSERT_LT(lender, slots) << "layer " << l << ", slot " << x;
+      EXPECT_TRUE(cache.is_allocated(x) && cache.is_allocated(lender)) << "slot " << x;
+      EXPECT_EQ(lender_of(cache, l, lender), -1) << "slot " << lender << " lends and borrows";
+      ++named[std::size_t(lender)];
+    }
+    for (int s = 0; s < slots; ++s) {
+      EXPECT_EQ(borrowers_of(cache, l, s), named[std::size_t(s)]) << "layer " << l << ", slot " << s;
+    }
+  }
+}
+
+// Whether any slot of the cache still shares a checkpoint.
+bool any_sharing(const StateCache& cache) {
+  for (int l = 0; l < cache.config().num_layers; ++l) {
+    for (int s = 0; s < cache.config().capacity; ++s) {
+      if (lender_of(cache, l, s) >= 0) return true;
+    }
+  }
+  return false;
+}
+
+const CacheBufferId kCheckpointIds[] = {CacheBufferId::kCkptHi, CacheBufferId::kCkptLo,
+                                        CacheBufferId::kCkptLoScale};
+
+// Every checkpoint and ring region of a slot, every layer (what a fork must not write).
+std::vector<std::uint8_t> checkpoint_and_ring(const StateCache& cache, int slot) {
+  std::vector<std::uint8_t> out;
+  for (const CacheBufferSpec& s : cache_buffer_specs(cache.config())) {
+    if (slot_part(s.id) == SlotPart::kOther) continue;
+    for (int l = 0; l < cache.config().num_layers; ++l) {
+      const std::vector<std::uint8_t> r = region(cache, s.id, l, slot);
+      out.insert(out.end(), r.begin(), r.end());
+    }
+  }
+  return out;
+}
+
+// The Continue workload on a cache that shares forked checkpoints: every fork, however the
+// source and its copies go on (side by side, one after the other, freed, overwritten, forked
+// again), decodes on bit for bit as the source did, and the bookkeeping stays consistent.
+class Shared : public Continue {
+ protected:
+  void SetUp() override { set_up(/*share=*/true); }
+  // Forks kSource onto `dst` at its committed end.
+  void fork_at_end(int src, int dst) {
+    claim(*cache_, {dst});
+    ASSERT_TRUE(fork(*cache_, {src}, {dst}, {std::uint32_t(kRunTo)}).is_ok());
+  }
+};
+
+// A fork writes none of the copy's checkpoint rows (nor the source's): the copies read the
+// source's until each folds, and they then decode on as the source did.
+TEST_P(Shared, ForkCopiesNoCheckpointAndCopiesDecodeOn) {
+  StateCache& cache = *cache_;
+  const auto [lo, hi] = reach(cache, kSource);
+  std::vector<std::int32_t> src, dst;
+  std::vector<std::uint32_t> at;
+  std::vector<Row> rows;
+  for (std::uint32_t p = lo; p <= hi; ++p) {
+    const int t = 1 + int(p - lo) * 2;
+    claim(cache, {t});
+    src.push_back(kSource);
+    dst.push_back(t);
+    at.push_back(p);
+    rows.push_back({t, 0, int(p)});
+  }
+  std::vector<std::vector<std::uint8_t>> before;
+  for (const Row& r : rows) {
+    std::vector<std::uint8_t> b;
+    for (int l = 0; l < kLayers; ++l) {
+      for (CacheBufferId id : kCheckpointIds) {
+        const auto reg = region(cache, id, l, r.slot);
+        b.insert(b.end(), reg.begin(), reg.end());
+      }
+    }
+    before.push_back(b);
+  }
+  const std::vector<std::uint8_t> source = checkpoint_and_ring(cache, kSource);
+  ASSERT_TRUE(fork(cache, src, dst, at).is_ok());
+  EXPECT_EQ(checkpoint_and_ring(cache, kSource), source) << "fork wrote its source";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    std::vector<std::uint8_t> b;
+    for (int l = 0; l < kLayers; ++l) {
+      for (CacheBufferId id : kCheckpointIds) {
+        const auto reg = region(cache, id, l, rows[i].slot);
+        b.insert(b.end(), reg.begin(), reg.end());
+      }
+      EXPECT_EQ(lender_of(cache, l, rows[i].slot), kSource);
+    }
+    EXPECT_EQ(b, before[i]) << "fork copied a checkpoint into slot " << rows[i].slot;
+  }
+  for (int l = 0; l < kLayers; ++l) EXPECT_EQ(borrowers_of(cache, l, kSource), 3);
+  expect_sharing_consistent(cache);
+  expect_continues_as(cache, *work_, rows, {&recorded_, &recorded_, &recorded_});
+  expect_sharing_consistent(cache);
+  EXPECT_FALSE(any_sharing(cache)) << "every copy has folded: none should borrow still";
+}
+
+// Parallel sampling: source and copy fold on the same steps.
+TEST_P(Shared, SourceAndCopyDecodeSideBySide) {
+  fork_at_end(kSource, 7);
+  expect_continues_as(*cache_, *work_, {{kSource, 0, kRunTo}, {7, 0, kRunTo}},
+                      {&recorded_, &recorded_});
+  expect_sharing_consistent(*cache_);
+  EXPECT_FALSE(any_sharing(*cache_));
+}
+
+// The source folds first, while the copy waits: the copy is handed its own checkpoint then.
+TEST_P(Shared, SourceRunsAheadThenTheCopyDecodes) {
+  fork_at_end(kSource, 7);
+  expect_continues_as(*cache_, *work_, {{kSource, 0, kRunTo}}, {&recorded_});
+  expect_sharing_consistent(*cache_);
+  EXPECT_FALSE(any_sharing(*cache_));
+  expect_continues_as(*cache_, *work_, {{7, 0, kRunTo}}, {&recorded_});
+}
+
+// The source freed, taken again and loaded, or overwritten in place: the copy keeps its state.
+TEST_P(Shared, FreedOrOverwrittenSourceLeavesTheCopy) {
+  fork_at_end(kSource, 7);
+  fork_at_end(kSource, 6);
+  ASSERT_TRUE(state_cache_free_slot(*cache_, kSource).is_ok());
+  expect_sharing_consistent(*cache_);
+  claim(*cache_, {kSource});
+  work_->load(*cache_, kSource, 0);
+  fork_at_end(7, 2);  // 2 and 6 now read 7's rows ...
+  work_->load(*cache_, 7, 0);  // ... which a load into 7 replaces
+  expect_sharing_consistent(*cache_);
+  expect_continues_as(*cache_, *work_, {{6, 0, kRunTo}, {2, 0, kRunTo}},
+                      {&recorded_, &recorded_});
+}
+
+// A fork of a copy names the first source; a fork onto the slot a copy reads from hands that
+// slot's rows to the copy first.
+TEST_P(Shared, ForksOfCopiesAndOntoTheirSource) {
+  fork_at_end(kSource, 3);
+  fork_at_end(3, 5);
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(lender_of(*cache_, l, 5), kSource);
+    EXPECT_EQ(borrowers_of(*cache_, l, kSource), 2);
+  }
+  ASSERT_TRUE(fork(*cache_, {5}, {kSource}, {std::uint32_t(kRunTo)}).is_ok());
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(lender_of(*cache_, l, kSource), 5);
+    EXPECT_EQ(lender_of(*cache_, l, 3), -1);
+    EXPECT_EQ(lender_of(*cache_, l, 5), -1);
+  }
+  expect_sharing_consistent(*cache_);
+  expect_continues_as(*cache_, *work_, {{kSource, 0, kRunTo}, {3, 0, kRunTo}, {5, 0, kRunTo}},
+                      {&recorded_, &recorded_, &recorded_});
+}
+
+// Materialize and export of a copy read the rows it shares: the source's states, bit for bit.
+TEST_P(Shared, MaterializeAndExportOfACopy) {
+  fork_at_end(kSource, 3);
+  const auto [lo, hi] = reach(*cache_, kSource);
+  for (std::uint32_t p = lo; p <= hi; ++p) {
+    const auto copy = materialize(*cache_, {3}, {p});
+    const auto source = materialize(*cache_, {kSource}, {p});
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_TRUE(same_bits(copy[0][std::size_t(l)], source[0][std::size_t(l)])) << "p " << p;
+    }
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<float> copy, source;
+    ASSERT_TRUE(testing::export_state(*cache_, l, 3, &copy).is_ok());
+    ASSERT_TRUE(testing::export_state(*cache_, l, kSource, &source).is_ok());
+    EXPECT_TRUE(same_bits(copy, source)) << "layer " << l;
+  }
+  expect_sharing_consistent(*cache_);
+}
+
+// Refused calls on a cache that shares (a copy borrowing its source's rows) change no byte:
+// every check runs before the release pass. (CPU caches: CUDA ones skip bad rows on the device.)
+TEST_P(Shared, RefusedCallsChangeNothing) {
+  if (GetParam().device == Device::kCuda) GTEST_SKIP() << "CPU caches refuse; CUDA ones skip";
+  fork_at_end(kSource, 3);
+  claim(*cache_, {4});
+  const testing::CacheBytes before = testing::snapshot(*cache_);
+  const auto expect_refused = [&](const Status& st) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_EQ(testing::diff(testing::snapshot(*cache_), before), "") << st.message();
+  };
+  expect_refused(fork(*cache_, {kSource}, {3}, {std::uint32_t(kRunTo + 1)}));  // out of reach
+  expect_refused(fork(*cache_, {3}, {3}, {std::uint32_t(kRunTo)}));            // onto itself
+  expect_refused(fork(*cache_, {kSource, 3}, {4, kSource}, {std::uint32_t(kRunTo), 0u}));
+  std::vector<float> nan_state(std::size_t(cfg_.dims().state_elems()), 0.0f);
+  nan_state[1] = std::numeric_limits<float>::quiet_NaN();
+  expect_refused(state_cache_load_state(*cache_, 0, kSource, nan_state.data()));
+  expect_refused(state_cache_free_slot(*cache_, 5));  // not allocated
+  expect_refused(testing::fold(*cache_, {6}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Prefix, Shared, ::testing::ValuesIn(cases(false)), case_name);
+INSTANTIATE_TEST_SUITE_P(CudaPrefix, Shared, ::testing::ValuesIn(cases(false, Device::kCuda)),
+                         case_name);
+
+// Random serving on two caches, one that copies at fork and one that shares: decodes of T-token
+// windows with random accepted counts (so copies and sources fold on different steps), forks
+// at random positions in reach, frees, explicit folds, loads, truncations, exports and
+// materializations. Every output and state of the sharing cache equals the copying one's, bit
+// for bit, and its bookkeeping stays consistent.
+class SharedTwin : public ::testing::TestWithParam<PrefixCase> {};
+
+TEST_P(SharedTwin, RandomServingMatchesACacheThatCopiesAtFork) {
+  const PrefixCase& c = GetParam();
+  if (c.device == Device::kCuda) {
+    SKIP_WITHOUT_GPU();
+  }
+  constexpr int kSlots = 8;
+  const StateCacheConfig copy_cfg = case_config(c, kSlots);
+  StateCacheConfig share_cfg = copy_cfg;
+  share_cfg.share_forked_checkpoints = true;
+  const int T = c.window, L = c.buffer_len;
+  const int length = 6 * L + 2 * T;
+  const Workload w(copy_cfg, 2, length, 53);
+  const auto copying = testing::create_cache(copy_cfg);
+  const auto sharing = testing::create_cache(share_cfg);
+  const std::initializer_list<StateCache*> both = {copying.get(), sharing.get()};
+  std::map<int, Row> live;  // slot -> its sequence and next position
+  Rng rng(std::uint64_t(1000 + 7 * T + L));
+  const auto admit = [&](int slot, int seq) {
+    for (StateCache* cache : both) {
+      claim(*cache, {slot});
+      w.load(*cache, slot, seq);
+    }
+    live[slot] = {slot, seq, 0};
+  };
+  const auto random_live = [&] {
+    auto it = live.begin();
+    std::advance(it, rng.uniform_int(0, int(live.size()) - 1));
+    return it->first;
+  };
+  const auto random_reach = [&](int slot) {
+    const auto [lo, hi] = reach(*copying, slot);
+    EXPECT_EQ(reach(*sharing, slot), std::make_pair(lo, hi));
+    return lo + std::uint32_t(rng.uniform_int(0, int(hi - lo)));
+  };
+  admit(0, 0);
+  admit(1, 1);
+  const int actions = 40 + 8 * L;
+  for (int a = 0; a < actions; ++a) {
+    SCOPED_TRACE("action " + std::to_string(a));
+    const int kind = rng.uniform_int(0, 19);
+    if (kind < 10) {  // a decode step of every live slot with T tokens left
+      std::vector<Row> rows;
+      for (const auto& [slot, r] : live) {
+        if (r.first + T <= length) rows.push_back(r);
+      }
+      if (rows.empty()) continue;
+      const auto out_copy = w.decode(*copying, rows, T);
+      const auto out_share = w.decode(*sharing, rows, T);
+      for (int l = 0; l < kLayers; ++l) {
+        ASSERT_TRUE(same_bits(out_copy[std::size_t(l)], out_share[std::size_t(l)]))
+            << "layer " << l;
+      }
+      std::vector<std::int32_t> slots, accepted;
+      for (const Row& r : rows) {
+        slots.push_back(r.slot);
+        accepted.push_back(rng.uniform_int(1, T));
+      }
+      for (StateCache* cache : both) ASSERT_TRUE(testing::commit(*cache, slots, accepted).is_ok());
+      for (std::size_t i = 0; i < rows.size(); ++i) live[rows[i].slot].first += accepted[i];
+    } else if (kind < 13) {  // a fork onto a free slot, at a random position in reach
+      int dst = -1;
+      for (int s = 0; s < kSlots; ++s) {
+        if (!live.count(s)) dst = s;
+      }
+      if (dst < 0) continue;
+      const int src = random_live();
+      const std::uint32_t p = random_reach(src);
+      for (StateCache* cache : both) {
+        claim(*cache, {dst});
+        ASSERT_TRUE(fork(*cache, {src}, {dst}, {p}).is_ok());
+      }
+      live[dst] = {dst, live[src].seq, int(p)};
+    } else if (kind < 15) {  // a request finishes (one stays)
+      if (live.size() < 2) continue;
+      const int slot = random_live();
+      for (StateCache* cache : both) ASSERT_TRUE(state_cache_free_slot(*cache, slot).is_ok());
+      live.erase(slot);
+    } else if (kind == 15) {
+      const int slot = random_live();
+      for (StateCache* cache : both) ASSERT_TRUE(testing::fold(*cache, {slot}).is_ok());
+    } else if (kind == 16) {  // a prefill hand-off into a live slot
+      const int slot = random_live();
+      for (StateCache* cache : both) w.load(*cache, slot, live[slot].seq);
+    } else if (kind == 17) {
+      const int slot = random_live();
+      const std::uint32_t p = random_reach(slot);
+      for (StateCache* cache : both) ASSERT_TRUE(truncate(*cache, {slot}, {p}).is_ok());
+      live[slot].first = int(p);
+    } else if (kind == 18) {
+      const int slot = random_live(), layer = rng.uniform_int(0, kLayers - 1);
+      std::vector<float> a_state, b_state;
+      ASSERT_TRUE(testing::export_state(*copying, layer, slot, &a_state).is_ok());
+      ASSERT_TRUE(testing::export_state(*sharing, layer, slot, &b_state).is_ok());
+      ASSERT_TRUE(same_bits(a_state, b_state)) << "export of slot " << slot;
+    } else {
+      const int slot = random_live();
+      const std::uint32_t p = random_reach(slot);
+      const auto a_states = materialize(*copying, {slot}, {p});
+      const auto b_states = materialize(*sharing, {slot}, {p});
+      for (int l = 0; l < kLayers; ++l) {
+        ASSERT_TRUE(same_bits(a_states[0][std::size_t(l)], b_states[0][std::size_t(l)]))
+            << "materialize of slot " << slot << " at " << p;
+      }
+    }
+    expect_sharing_consistent(*sharing);
+    // A request at the end of its sequence leaves; an empty batch admits a new one.
+    for (auto it = live.begin(); it != live.end();) {
+      if (it->second.first + T > length && live.size() > 1) {
+        for (StateCache* cache : both) {
+          ASSERT_TRUE(state_cache_free_slot(*cache, it->first).is_ok());
+        }
+        it = live.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& [slot, r] : live) {
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<float> a_state, b_state;
+      ASSERT_TRUE(testing::export_state(*copying, l, slot, &a_state).is_ok());
+      ASSERT_TRUE(testing::export_state(*sharing, l, slot, &b_state).is_ok());
+      EXPECT_TRUE(same_bits(a_state, b_state)) << "slot " << slot << ", layer " << l;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Prefix, SharedTwin, ::testing::ValuesIn(cases(true)), case_name);
+INSTANTIATE_TEST_SUITE_P(CudaPrefix, SharedTwin, ::testing::ValuesIn(cases(true, Device::kCuda)),
+                         case_name);
+
 // ---- refusals --------------------------------------------------------------------------------
 
 class Refuse : public ::testing::TestWithParam<LayerKind> {
@@ -930,6 +1299,11 @@ TEST_P(Refuse, EagerCaches) {
   EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
   EXPECT_EQ(fork(*eager, {0}, {1}, {0}).code(), StatusCode::kUnsupported);
   EXPECT_EQ(truncate(*eager, {0}, {0}).code(), StatusCode::kUnsupported);
+  // Sharing forked checkpoints is a replay cache's option.
+  c.share_forked_checkpoints = true;
+  st = state_cache_can_implement(c);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("share_forked_checkpoints"), std::string::npos) << st.message();
 }
 
 INSTANTIATE_TEST_SUITE_P(Prefix, Refuse, ::testing::Values(LayerKind::kMamba2, LayerKind::kGdn),

@@ -110,10 +110,12 @@ struct ForkArgs {
 
 /// Makes each dst slot a copy of its src slot at `position`: every layer's checkpoint copies,
 /// the ring records folded..position-1, folded as the source's, committed = position, no
-/// uncommitted window. The source is only read. Decoding the copy then equals decoding the
-/// source from `position` on. The copy lives at the dst slot's index of every buffer, as every
-/// slot does (the checkpoint is copied now; docs/ARCHITECTURE.md says why and what deferring it
-/// would need).
+/// uncommitted window. The source is only read (a sharing cache counts its borrowers).
+/// Decoding the copy then equals decoding the source from `position` on. By default the
+/// checkpoint copies are copied now, to the dst slot's index of every buffer. A cache with
+/// StateCacheConfig::share_forked_checkpoints copies them on fold instead: the dst reads the
+/// source's checkpoint (ckpt_source) until either writes its own, and the fork moves only the
+/// records and cursors (a dst that lends its own checkpoint hands it to its borrowers first).
 /// CPU: refused with nothing written when a slot is not allocated, a dst equals its src,
 /// repeats, or is the src of another row, or a position is out of reach. CUDA: rows whose
 /// slots are out of range, not allocated or equal, or whose position is out of reach, are

@@ -10,7 +10,10 @@
 /// (state_cache_create_view): an engine can keep the state in its own memory pool. Every op
 /// works on both kinds alike. Each buffer's leading axes are [num_layers, capacity] or
 /// [capacity], so everything of slot s (checkpoint copies, ring records, cursors) is addressed
-/// by s in every buffer: copying or swapping a slot is copying or swapping those rows.
+/// by s in every buffer: copying or swapping a slot is copying or swapping those rows. The one
+/// exception: with share_forked_checkpoints, ckpt_source[layer][s] = t + 1 says that the
+/// checkpoint of (layer, s) is slot t's rows (0: its own), and ckpt_borrowers[layer][t] counts
+/// the slots that read t's; a slot with borrowers must not be overwritten by a row copy.
 ///
 /// Cursors (all in the cache's memory: host for CPU caches, device for CUDA caches):
 ///   committed[slot]         absolute position of the next token to commit (shared by layers)
@@ -62,6 +65,16 @@ struct StateCacheConfig {
   /// its tokens into its own copy; commit(k) makes the copy after token k current.
   int max_spec_tokens = 1;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
+  /// Replay only: state_cache_fork (prefix.h) lets the copy read its source's checkpoint
+  /// instead of copying it (copy on fold). A fork then moves only ring records and cursors;
+  /// the checkpoint is copied when the copy or the slot it reads from is about to write its
+  /// own (a fold, load_state, restore, a fork onto it, free), and never when the copy is freed
+  /// first. Costs two u32 buffers (ckpt_source, ckpt_borrowers) and, before every op that
+  /// writes a checkpoint, a release pass (on CUDA one small launch per decode, fold, load,
+  /// restore, fork and free, which returns at once for rows that share nothing). While a slot
+  /// reads another's checkpoint, its own rows of ckpt_hi / ckpt_lo / ckpt_lo_scale are unused:
+  /// an engine that copies slot rows itself must copy through ckpt_source (see Memory above).
+  bool share_forked_checkpoints = false;
 
   [[nodiscard]] StateDims dims() const;
 };
@@ -90,8 +103,12 @@ enum class CacheBufferId : std::uint8_t {
   kFolded,        ///< [layers, capacity]  u32
   kPending,       ///< [layers, capacity]  u8
   kAllocated,     ///< [capacity]  u8 (1 = the slot is in use)
+  kCkptSource,    ///< share_forked_checkpoints: [layers, capacity]  u32 (0 = own checkpoint,
+                  ///< t + 1 = slot t's)
+  kCkptBorrowers, ///< share_forked_checkpoints: [layers, capacity]  u32 (slots reading this
+                  ///< slot's checkpoint)
 };
-inline constexpr int kNumCacheBuffers = 14;
+inline constexpr int kNumCacheBuffers = 16;
 
 /// "ckpt_hi", "ring_vec", ... (the names used in messages and by the Python package).
 const char* cache_buffer_name(CacheBufferId id);

@@ -14,7 +14,8 @@ class Config:
 
     def __init__(self, kind: str, d0: int, d1: int, d2: int, d3: int, num_layers: int,
                  capacity: int, buffer_len: int, max_spec_tokens: int, checkpoint: str,
-                 mode: str, input_dtype: str, state_dtype: str, device: str) -> None: ...
+                 mode: str, input_dtype: str, state_dtype: str, device: str,
+                 share_forked_checkpoints: bool = False) -> None: ...
     def buffers(self) -> list[tuple[str, str, list[int], int, int, int]]:
         """(name, dtype, shape, bytes, alignment, slot_axis) of every buffer."""
     def can_implement(self) -> None:

@@ -91,8 +91,12 @@ class CacheConfig:
     the copy after the accepted tokens current (a second window must wait for the commit on
     the CPU; on CUDA it replaces the first). ``input_dtype`` is the dtype of the
     activations (inputs, ring and outputs). ``device`` is ``"cpu"`` or ``"cuda"`` (the current
-    CUDA device). The library checks the configuration here, and what the device's backend
-    supports when a cache is created.
+    CUDA device). ``share_forked_checkpoints=True`` (replay only) makes :meth:`StateCache.fork`
+    copy on fold: the copy reads its source's checkpoint until either of them first writes its
+    own (a fold, a load, a restore, a fork onto it, a free), so a fork moves only ring records
+    and cursors, and a copy freed before its first fold never copies the checkpoint; every
+    decode then runs a short release pass first. The library checks the configuration here,
+    and what the device's backend supports when a cache is created.
     """
 
     kind: str
@@ -113,6 +117,7 @@ class CacheConfig:
     input_dtype: Any = "float32"
     state_dtype: Any = "float32"
     device: str = "cpu"
+    share_forked_checkpoints: bool = False
     _native: Any = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -134,7 +139,8 @@ class CacheConfig:
             self.kind, *d, num_layers=self.num_layers, capacity=self.capacity,
             buffer_len=self.buffer_len, max_spec_tokens=self.max_spec_tokens,
             checkpoint=self.checkpoint, mode=self.mode, input_dtype=self.input_dtype,
-            state_dtype=self.state_dtype, device=self.device))
+            state_dtype=self.state_dtype, device=self.device,
+            share_forked_checkpoints=bool(self.share_forked_checkpoints)))
 
     @property
     def state_shape(self) -> tuple[int, int, int]:
@@ -368,7 +374,10 @@ class StateCache:
         """Makes slot ``dst_slots[b]`` a copy of slot ``src_slots[b]`` at ``positions[b]``
         (int32 [batch] each, in the cache's memory; src -1 = pad row): every layer's
         checkpoint, the ring records up to the position, the cursors (committed = position, no
-        uncommitted window). The sources are only read; decoding a copy equals decoding its
+        uncommitted window). With ``config.share_forked_checkpoints`` the checkpoint is not
+        copied: the copy reads its source's until either first writes its own (copy on fold;
+        a fork then moves under a tenth of a state's bytes). The sources are only read (their
+        ``ckpt_borrowers`` count aside); decoding a copy equals decoding its
         source from that position on (parallel sampling, beams). The dst slots must be
         allocated; ``dst_slots=None`` allocates one new slot per row (no pad rows then; CPU
         caches and ``replayssm.torch`` caches) and frees them again if the fork is refused.

@@ -191,7 +191,7 @@ PyConfig make_config(const std::string& kind, std::int64_t d0, std::int64_t d1, 
                      std::int64_t d3, int num_layers, int capacity, int buffer_len,
                      int max_spec_tokens, const std::string& checkpoint, const std::string& mode,
                      const std::string& input_dtype, const std::string& state_dtype,
-                     const std::string& device) {
+                     const std::string& device, bool share_forked_checkpoints) {
   static constexpr std::pair<const char*, LayerKind> kKinds[] = {{"mamba2", LayerKind::kMamba2},
                                                                  {"gdn", LayerKind::kGdn}};
   static constexpr std::pair<const char*, DecodeMode> kModes[] = {{"replay", DecodeMode::kReplay},
@@ -222,6 +222,7 @@ PyConfig make_config(const std::string& kind, std::int64_t d0, std::int64_t d1, 
   c.input_dtype = parse_choice("input_dtype", input_dtype, kActivationDtypes);
   c.state_dtype = parse_choice("state_dtype", state_dtype, kActivationDtypes);
   c.device = parse_choice("device", device, kDevices);
+  c.share_forked_checkpoints = share_forked_checkpoints;
   check(state_cache_buffers(c, &out.specs));
   return out;
 }
@@ -302,14 +303,16 @@ void bind_cache(nb::module_& m) {
                        std::int64_t d3, int num_layers, int capacity, int buffer_len,
                        int max_spec_tokens, const std::string& checkpoint, const std::string& mode,
                        const std::string& input_dtype, const std::string& state_dtype,
-                       const std::string& device) {
+                       const std::string& device, bool share_forked_checkpoints) {
              return make_config(kind, d0, d1, d2, d3, num_layers, capacity, buffer_len,
-                                max_spec_tokens, checkpoint, mode, input_dtype, state_dtype, device);
+                                max_spec_tokens, checkpoint, mode, input_dtype, state_dtype, device,
+                                share_forked_checkpoints);
            }),
            nb::arg("kind"), nb::arg("d0"), nb::arg("d1"), nb::arg("d2"), nb::arg("d3"),
            nb::arg("num_layers"), nb::arg("capacity"), nb::arg("buffer_len"),
            nb::arg("max_spec_tokens"), nb::arg("checkpoint"), nb::arg("mode"),
-           nb::arg("input_dtype"), nb::arg("state_dtype"), nb::arg("device"))
+           nb::arg("input_dtype"), nb::arg("state_dtype"), nb::arg("device"),
+           nb::arg("share_forked_checkpoints") = false)
       .def("buffers",
            [](const PyConfig& c) {
              std::vector<std::tuple<std::string, std::string, std::vector<std::int64_t>,

@@ -6,6 +6,7 @@ that many committed tokens.
   checkpoint precision, across folds and speculative windows with random acceptance;
   bit-exact against the checkpoint a fold to the committed end stores;
 - fork then decode = the source truncated to the same position, then decode (bit for bit);
+  with share_forked_checkpoints (copy on fold) the same bytes as a cache that copies at fork;
 - restore (state + records) then decode = the uninterrupted slot's decode;
 - truncate then decode = decoding from that position (the oracle's state there);
 - bad slots, positions, shapes and dtypes refused with nothing changed;
@@ -218,6 +219,49 @@ def test_fork_then_decode_equals_the_source(kind, checkpoint, rng):
         m = cache.materialize(np.array([s, t], np.int32),
                               np.full(2, cursors(cache, s)[1], np.int32))
         assert np.array_equal(m[0], m[1])
+
+
+def shared_fork_run(kind, make_cache, arr=None, back=np.asarray, seed=7):
+    """A source decoded past a fold, forked at its end onto a second slot, both decoded on over
+    two folds (T = 2 windows, accepting 1 or 2), on a cache that copies at fork and one that
+    shares (share_forked_checkpoints): per step, both caches' outputs must be the same bytes.
+    Returns the sharing cache's ckpt_source right after the fork and at the end."""
+    arr = arr or (lambda a: a)
+    caches = [make_cache(share) for share in (False, True)]
+    slots = [(c.allocate(), c.allocate()) for c in caches]
+    assert slots[0] == slots[1]
+    s, t = slots[0]
+    rngs = [np.random.default_rng(seed) for _ in caches]
+    for _ in range(5):
+        for c, r in zip(caches, rngs):
+            same_inputs_step(c, [s], r, T=2, accept=1, arr=arr, back=back)
+    end = int(back(caches[0].buffers["committed"]).view(np.uint32)[s])
+    for c in caches:
+        c.fork(arr(i32(s)), arr(i32(t)), arr(i32(end)))
+    after_fork = back(caches[1].buffers["ckpt_source"]).view(np.uint32).copy()
+    for step in range(8):
+        accept = 1 + step % 2
+        a, b = (same_inputs_step(c, [s, t], r, T=2, accept=accept, arr=arr, back=back)
+                for c, r in zip(caches, rngs))
+        for ya, yb in zip(a, b):
+            assert ya.tobytes() == yb.tobytes(), f"step {step}"
+    return after_fork, back(caches[1].buffers["ckpt_source"]).view(np.uint32).copy()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shared_fork_decodes_as_a_copying_cache(kind):
+    """share_forked_checkpoints: the fork points the copy at the source's checkpoint (copy on
+    fold), decoding gives the bytes a cache that copies at fork gives, and once both have
+    folded nothing is shared any more. Eager caches refuse the option."""
+    def make(share):
+        return replayssm.StateCache(config(kind, num_layers=2, buffer_len=4, max_spec_tokens=2,
+                                           capacity=3, share_forked_checkpoints=share))
+    assert "ckpt_source" not in make(False).buffers
+    after_fork, end = shared_fork_run(kind, make)
+    assert (after_fork[:, 1] == 1).all()  # slot 1 reads slot 0's rows in every layer
+    assert (end == 0).all()
+    with pytest.raises(ValueError, match="share_forked_checkpoints"):
+        config(kind, mode="eager", share_forked_checkpoints=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -794,3 +838,20 @@ def prefix_step_cuda(cache, ids, positions, truncate_to):
     cache.fork(ids[:1], ids[:1] + 2, positions[:1])
     cache.truncate(ids[1:], truncate_to)
     return states * 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_shared_fork_decodes_as_a_copying_cache(kind):
+    """test_shared_fork_decodes_as_a_copying_cache on CUDA caches (the release pass and the
+    repointing run on the device)."""
+    _cuda()
+    import replayssm.torch as rt
+    from test_torch import to_numpy, torch_array
+
+    def make(share):
+        return rt.StateCache(config(kind, num_layers=2, buffer_len=4, max_spec_tokens=2,
+                                    capacity=3, device="cuda", share_forked_checkpoints=share))
+    after_fork, end = shared_fork_run(kind, make, arr=torch_array("cuda"), back=to_numpy)
+    assert (after_fork[:, 1] == 1).all()
+    assert (end == 0).all()

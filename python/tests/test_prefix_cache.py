@@ -2,8 +2,9 @@
 configs: a prefill that continues a slot equals one prefill of the whole sequence (logits and
 the decode steps after it, every state mode); the block states a prefill keeps equal the states
 of prefills that end there; an engine with a prefix cache gives exactly the tokens of one
-without, with the hits it should have; LRU eviction under a byte budget; bad input refused with
-nothing changed. CPU tests run fp32 activations; the `cuda` ones the same on the GPU."""
+without, with the hits it should have; LRU eviction under a byte budget; forked sequences
+(ServingCache.fork, with and without shared checkpoints) decode as their own prefills; bad input
+refused with nothing changed. CPU tests run fp32 activations; the `cuda` ones the same on the GPU."""
 
 import pytest
 
@@ -373,6 +374,54 @@ def test_engine_with_a_prefix_cache_gives_the_tokens_of_one_without(family, mode
     assert prefix.hits == sum(h > 0 for h in hits)
     assert prefix.hit_tokens == sum(hits)
     assert prefix.evictions == 0
+
+
+# ---- forked sequences (parallel sampling, beams) -----------------------------------------------
+
+@pytest.mark.parametrize("device", CPU + CUDA)
+@pytest.mark.parametrize("mode, share", [("eager-fp32", False), ("replay-fp32:4", False),
+                                         ("replay-fp32:4", True), ("replay-fp32+bf16:4", True)],
+                         ids=["eager-fp32", "replay-fp32", "replay-fp32-shared",
+                              "replay-fp32+bf16-shared"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forked_sequences_decode_as_their_own_prefills(family, mode, share, device):
+    """ServingCache.fork: a prompt prefilled into slot a, forked onto b, and b onto c (a fork of
+    a fork); the three then take different tokens, side by side over three folds of L = 4.
+    Each branch's logits equal those of a slot that prefilled the same prompt itself and
+    decoded the same tokens in the same batch (the same arithmetic: 0 difference on the CPU).
+    With shared checkpoints nothing is shared any more once every branch has folded."""
+    model = tiny_model(family, device)
+    cache = ServingCache(model, 6, 64, mode, share_forked_checkpoints=share)
+    prompt = tokens(family, 5, 21)
+    a = cache.allocate()
+    model.prefill(cache, a, prompt)
+    b = cache.fork(a)
+    c = cache.fork(b)
+    refs = [cache.allocate() for _ in range(3)]
+    for r in refs:
+        model.prefill(cache, r, prompt)
+    slots = torch.tensor([a, b, c, *refs], dtype=torch.int32, device=device)
+    g = torch.Generator().manual_seed(9)
+    for step in range(12):
+        branch = torch.randint(0, VOCAB[family], (3,), generator=g)
+        logits = model.step(cache, slots, torch.cat([branch, branch]).to(device))
+        assert mu.rel_err(logits[:3], logits[3:]) <= (0.0 if device == "cpu" else 1e-6), step
+    assert len({int(cache.lengths[s]) for s in (a, b, c, *refs)}) == 1
+    if share:
+        assert not cache.ssm.buffers["ckpt_source"].any()
+
+
+def test_fork_refusals_allocate_nothing(models):
+    model = models["nemotron"]
+    cache = ServingCache(model, 3, 64, "replay-fp32:4", share_forked_checkpoints=True)
+    a = cache.allocate()
+    model.prefill(cache, a, tokens("nemotron", 1, 9))
+    free = cache.ssm.free_slots
+    for args, message in [((a, a), "onto itself"), ((2,), "not an allocated slot"),
+                          ((a, 2), "not an allocated slot")]:
+        with pytest.raises(ValueError, match=message):
+            cache.fork(*args)
+        assert cache.ssm.free_slots == free
 
 
 @pytest.mark.cuda

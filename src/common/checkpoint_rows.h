@@ -28,13 +28,15 @@ inline CheckpointHead checkpoint_head(const StateCacheLayout& l, int layer, int 
   CheckpointHead c;
   c.rows = l.dims.rows;
   c.cols = l.dims.cols;
-  const std::int64_t block = l.layer_slot(layer, slot) * l.state_elems() +
+  // The rows the slot reads: its own, or its fork source's while they share them.
+  const std::int64_t region = l.checkpoint_region(layer, slot);
+  const std::int64_t block = region * l.state_elems() +
                              std::int64_t{head} * l.dims.rows * l.dims.cols;
   if (l.ckpt_hi != nullptr) c.hi = l.ckpt_hi + block;
   if (l.ckpt_lo != nullptr) {
     if (l.lo_dtype() == DType::kF8E4M3) {
       c.lo_fp8 = static_cast<fp8e4m3_t*>(l.ckpt_lo) + block;
-      c.lo_scale = l.ckpt_lo_scale + l.layer_slot(layer, slot) * l.state_rows() +
+      c.lo_scale = l.ckpt_lo_scale + region * l.state_rows() +
                    std::int64_t{head} * l.dims.rows;
     } else {
       c.lo_bf16 = static_cast<bf16_t*>(l.ckpt_lo) + block;

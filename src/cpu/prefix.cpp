@@ -62,7 +62,8 @@ void fork(StateCacheLayout& l, const ForkArgs& a) {
     for (int layer = 0; layer < layers; ++layer) {
       const int src = a.src_slots[b], dst = a.dst_slots[b];
       if (src < 0) continue;
-      for (int f = 0; f < ckpt.count; ++f) {
+      // A shared checkpoint is not copied: the cursor loop below points dst at it.
+      for (int f = 0; f < ckpt.count && l.ckpt_source == nullptr; ++f) {
         const ByteRun& r = ckpt.run[f];
         std::memcpy(r.base + l.layer_slot(layer, dst) * r.bytes,
                     r.base + l.layer_slot(layer, src) * r.bytes, std::size_t(r.bytes));
@@ -84,6 +85,7 @@ void fork(StateCacheLayout& l, const ForkArgs& a) {
     for (int layer = 0; layer < layers; ++layer) {
       l.folded[l.layer_slot(layer, dst)] = l.folded[l.layer_slot(layer, src)];
       l.pending[l.layer_slot(layer, dst)] = 0;
+      if (l.ckpt_source != nullptr) share_checkpoint(l, layer, src, dst);
     }
   }
 }

@@ -93,9 +93,11 @@ class StateMode:
         return self.kind == "eager"
 
     def cache_config(self, kind: str, dims: dict[str, int], num_layers: int, capacity: int,
-                     max_spec_tokens: int, input_dtype: Any, device: Any) -> replayssm.CacheConfig:
+                     max_spec_tokens: int, input_dtype: Any, device: Any,
+                     share_forked_checkpoints: bool = False) -> replayssm.CacheConfig:
         """The state cache's configuration for ``num_layers`` layers of ``kind`` ("mamba2" or
-        "gdn") with ``dims`` (the layer's CacheConfig dimensions)."""
+        "gdn") with ``dims`` (the layer's CacheConfig dimensions); ``share_forked_checkpoints``
+        applies to replay modes (an eager cache copies a forked state's rows)."""
         device = torch.device(device).type
         if self.eager:
             # max_spec_tokens > 1: per-draft-state speculation, a state copy per draft token.
@@ -106,7 +108,8 @@ class StateMode:
         return replayssm.CacheConfig(
             kind=kind, capacity=capacity, num_layers=num_layers, mode="replay",
             checkpoint=self.precision, buffer_len=self.buffer_len,
-            max_spec_tokens=max_spec_tokens, input_dtype=input_dtype, device=device, **dims)
+            max_spec_tokens=max_spec_tokens, input_dtype=input_dtype, device=device,
+            share_forked_checkpoints=share_forked_checkpoints, **dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +195,14 @@ class ServingCache:
 
     A sequence past ``max_seq_len`` tokens keeps overwriting its last KV position (the index
     is clamped on the device, so a step never faults): the engine stops it before that.
+
+    ``share_forked_checkpoints`` (replay modes): :meth:`fork` lets a copy read its source's
+    SSM checkpoints until either folds, instead of copying them (the state cache's option).
     """
 
     def __init__(self, model: "HybridModel", capacity: int, max_seq_len: int,
-                 mode: "str | StateMode", max_spec_tokens: int = 1) -> None:
+                 mode: "str | StateMode", max_spec_tokens: int = 1,
+                 share_forked_checkpoints: bool = False) -> None:
         if capacity < 1 or max_seq_len < 1 or max_spec_tokens < 1:
             raise ValueError(f"capacity ({capacity}), max_seq_len ({max_seq_len}) and "
                              f"max_spec_tokens ({max_spec_tokens}) must be positive")
@@ -208,7 +215,7 @@ class ServingCache:
         self.device, self.dtype = layout.device, layout.dtype
         self.ssm = rt.StateCache(self.mode.cache_config(
             layout.ssm_kind, layout.ssm_dims, layout.num_ssm_layers, capacity, max_spec_tokens,
-            layout.dtype, layout.device), device=layout.device)
+            layout.dtype, layout.device, share_forked_checkpoints), device=layout.device)
         self.conv_ring = layout.conv_kernel - 1 + max_spec_tokens
         self.conv = torch.zeros(layout.num_ssm_layers, capacity + 1, self.conv_ring,
                                 layout.conv_channels, dtype=layout.dtype, device=layout.device)
@@ -244,6 +251,49 @@ class ServingCache:
     def free(self, slot: int) -> None:
         self.ssm.free(slot)
         self.lengths[slot] = 0
+
+    def fork(self, src: int, dst: int | None = None) -> int:
+        """Makes slot ``dst`` (allocated here when None) a copy of sequence ``src`` at its
+        committed end: its SSM state, conv window, KV rows and length. Decoding the copy then
+        equals decoding the source on, so each branch of parallel sampling or a beam search can
+        take its own tokens from there. A replay cache forks its SSM slot (with
+        ``share_forked_checkpoints`` the checkpoints are copied on fold); an eager cache copies
+        the state's rows. Reads the source's length on the host. Returns ``dst``."""
+        self._check_slot(src)
+        if dst is not None:
+            self._check_slot(dst)
+            if dst == src:
+                raise ValueError(f"slot {src} cannot be forked onto itself")
+        new = dst is None
+        dst = self.allocate() if new else dst
+        try:
+            n = int(self.lengths[src])
+            if self.mode.eager:
+                self._copy_ssm_rows(src, dst)
+            else:
+                ids = lambda s: torch.tensor([s], dtype=torch.int32, device=self.device)
+                position = self.ssm.buffers["committed"][src:src + 1].view(torch.int32)
+                self.ssm.fork(ids(src), ids(dst), position)
+        except BaseException:
+            if new:
+                self.free(dst)
+            raise
+        self.conv[:, dst] = self.conv[:, src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        return dst
+
+    def _copy_ssm_rows(self, src: int, dst: int) -> None:
+        """Every SSM buffer's rows of ``src`` onto ``dst`` (``allocated`` aside): how an eager
+        slot is forked (state_cache.h, Memory)."""
+        for spec in replayssm.cache_buffers(self.ssm.config):
+            if spec.name == "allocated":
+                continue
+            outer = 1 if spec.slot_axis == 0 else spec.shape[0]
+            region = self.ssm.buffers[spec.name].view(torch.uint8).view(
+                outer, spec.shape[spec.slot_axis], -1)
+            region[:, dst] = region[:, src]
 
     def prefill_context(self, slot: int, tokens: torch.Tensor, start: int = 0,
                         block: int = 0, start_states: torch.Tensor | None = None

@@ -53,7 +53,7 @@ struct CheckpointHead {
 
   __device__ __forceinline__ CheckpointHead(const StateCacheLayout& l, int layer, int slot,
                                             int head) {
-    const std::int64_t ls = l.layer_slot(layer, slot);
+    const std::int64_t ls = l.checkpoint_region(layer, slot);  // own rows, or a fork source's
     const std::int64_t block = ls * l.dims.heads * l.dims.rows * l.dims.cols +
                                std::int64_t{head} * l.dims.rows * l.dims.cols;
     cols = l.dims.cols;

@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kGenericThreads)
   // Clamped so that corrupt cursors can never index past the ring's live records.
   const int unfolded_count = int(min(cursor.unfolded, std::uint32_t(l.max_history())));
   const bool fold = cursor.fold;
-  const Block blk{l, (l.layer_slot(layer, slot) * d.heads + h) * std::int64_t{V}};
+  const Block blk{l, (l.checkpoint_region(layer, slot) * d.heads + h) * std::int64_t{V}};
   if (fold) {
     const Records<input_t> history{p, layer, slot, b, h, kh, unfolded_count, first};
     fold_rows(blk, history, unfolded_count, warp, lane);

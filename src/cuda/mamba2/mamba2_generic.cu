@@ -125,8 +125,9 @@ __global__ void generic_replay_kernel(const __grid_constant__ Params p) {
   const Records<input_t> window{p, slot, b, h, g, fold ? 0 : unfolded_count,
                                 fold ? first + std::uint32_t(unfolded_count) : first};
 
+  const std::int64_t region = l.checkpoint_region(p.layer, slot);
   for (int row = threadIdx.x; row < d.rows; row += blockDim.x) {
-    const std::int64_t state_row = (l.layer_slot(p.layer, slot) * d.heads + h) * d.rows + row;
+    const std::int64_t state_row = (region * d.heads + h) * d.rows + row;
     const std::int64_t row_elem = state_row * d.cols;
     if (fold) fold_row(l, history, unfolded_count, row, state_row);
     // y_t = τ_t·(S·C_t) + Σ_{j ≤ w+t} s_j·(B_j·C_t)·x_j + D·x_t, then the gate.

@@ -183,8 +183,9 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
   }
   if constexpr (CheckpointTypes<P>::kScaled) {
     if (!k.fold) {  // the read copy's per-row scales
-      const std::int64_t ls = l.layer_slot(p.layer, k.slot);
-      copy_to_shared(k.ptr(k.at.scale()), l.ckpt_lo_scale + (ls * H + k.h0) * k.P, k.rows * 4);
+      const std::int64_t region = l.checkpoint_region(p.layer, k.slot);
+      copy_to_shared(k.ptr(k.at.scale()), l.ckpt_lo_scale + (region * H + k.h0) * k.P,
+                     k.rows * 4);
     }
   }
   cp_async_commit();

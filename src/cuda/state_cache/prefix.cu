@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(kThreads)
   const int key_head = h / (d.heads / d.key_heads);
   const auto* master = static_cast<const master_t*>(l.has_hi() ? static_cast<const void*>(l.ckpt_hi)
                                                                 : l.ckpt_lo) +
-                       (ls * d.heads + h) * std::int64_t{d.rows} * d.cols;
+                       (l.checkpoint_region(layer, slot) * d.heads + h) * std::int64_t{d.rows} *
+                           d.cols;
   extern __shared__ float smem[];
   float* keys = smem;
   float* vals = keys + kRecordChunk * d.cols;
@@ -368,6 +369,7 @@ __global__ void fork_cursor_kernel(const __grid_constant__ ForkParams p) {
   for (int layer = 0; layer < l.config.num_layers; ++layer) {
     l.folded[l.layer_slot(layer, dst)] = l.folded[l.layer_slot(layer, src)];
     l.pending[l.layer_slot(layer, dst)] = 0;
+    if (l.ckpt_source != nullptr) share_checkpoint(l, layer, src, dst);
   }
 }
 
@@ -535,8 +537,12 @@ Status fork(StateCacheLayout& l, const ForkArgs& a, Stream s) {
   std::int64_t largest = 0;
   for (int f = 0; f < p.ckpt.count; ++f) largest = std::max(largest, p.ckpt.run[f].bytes);
   const int per_region = std::clamp(blocks_for(largest, kThreads * 16 * 8), 1, 1024);
-  fork_checkpoint_kernel<<<dim3(per_region, l.config.num_layers, a.batch), kThreads, 0, stream>>>(p);
-  REPLAYSSM_CUDA_CHECK_LAUNCH("fork checkpoint kernel");
+  // A shared checkpoint is not copied: the cursor kernel points dst at it.
+  if (l.ckpt_source == nullptr) {
+    fork_checkpoint_kernel<<<dim3(per_region, l.config.num_layers, a.batch), kThreads, 0,
+                             stream>>>(p);
+    REPLAYSSM_CUDA_CHECK_LAUNCH("fork checkpoint kernel");
+  }
   fork_ring_kernel<<<dim3(l.max_history(), l.config.num_layers, a.batch), kThreads, 0, stream>>>(p);
   REPLAYSSM_CUDA_CHECK_LAUNCH("fork ring kernel");
   fork_cursor_kernel<<<blocks_for(a.batch, kCursorThreads), kCursorThreads, 0, stream>>>(p);
@@ -574,6 +580,9 @@ Status restore(StateCacheLayout& l, const RestoreArgs& a, Stream s) {
     return invalid_argument("state_cache_restore: the states hold a NaN or an infinity; a "
                             "restored state must be finite");
   }
+  // The slot's checkpoint is replaced: it stops sharing (its borrowers get copies first).
+  REPLAYSSM_RETURN_IF_ERROR(
+      release_slot_checkpoints(l, a.slot, 0, l.config.num_layers, ReleaseFor::kOverwrite, s));
   const RestoreParams p{l, a.slot, a.position, a.records.count, a.states};
   restore_kernel<<<dim3(l.dims.heads, l.config.num_layers), kThreads, 0, stream>>>(p);
   REPLAYSSM_CUDA_CHECK_LAUNCH("restore kernel");

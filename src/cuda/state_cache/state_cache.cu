@@ -197,6 +197,9 @@ Status load_state(StateCacheLayout& l, int layer, int slot, const float* state, 
                        converted.size() * sizeof(state_t), stream);
     });
   }
+  // The layer's checkpoint is replaced: it stops sharing (its borrowers get copies first).
+  REPLAYSSM_RETURN_IF_ERROR(
+      release_slot_checkpoints(l, slot, layer, 1, ReleaseFor::kOverwrite, s));
   HostCheckpoint staging(l);
   for (int h = 0; h < l.dims.heads; ++h) {
     const ::replayssm::CheckpointHead c = staging.head(l, h);
@@ -244,13 +247,22 @@ Status export_state(StateCacheLayout& l, int layer, int slot, float* state, Stre
     DeviceSlotId id;
     REPLAYSSM_RETURN_IF_ERROR(id.init(slot, stream));
     REPLAYSSM_RETURN_IF_ERROR(fold_layers(l, layer, 1, id.get(), 1, stream));
+    // The rows the slot reads: its own, or while it shares them since a fork, its source's.
+    std::int64_t region = ls;
+    if (l.ckpt_source != nullptr) {
+      std::uint32_t source = 0;
+      REPLAYSSM_RETURN_IF_ERROR(copy_sync(&source, l.ckpt_source + ls, 4, stream));
+      if (source != 0 && source <= std::uint32_t(l.config.capacity)) {
+        region = l.layer_slot(layer, int(source) - 1);
+      }
+    }
     if (l.ckpt.has_hi) {
-      REPLAYSSM_RETURN_IF_ERROR(copy_sync(host.data(), l.ckpt_hi + ls * n, n * 4, stream));
+      REPLAYSSM_RETURN_IF_ERROR(copy_sync(host.data(), l.ckpt_hi + region * n, n * 4, stream));
     } else {
       // Shared bf16: the low copy is the master.
       std::vector<bf16_t> raw(host.size());
       REPLAYSSM_RETURN_IF_ERROR(copy_sync(
-          raw.data(), static_cast<const bf16_t*>(l.ckpt_lo) + ls * n, n * 2, stream));
+          raw.data(), static_cast<const bf16_t*>(l.ckpt_lo) + region * n, n * 2, stream));
       for (std::size_t i = 0; i < raw.size(); ++i) host[i] = to_float(raw[i]);
     }
   }
