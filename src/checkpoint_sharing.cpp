@@ -20,13 +20,10 @@ Status release_checkpoints(StateCacheLayout& l, const ReleaseArgs& a, Stream str
 
 Status release_slot_checkpoints(StateCacheLayout& l, int slot, int first_layer, int num_layers,
                                 ReleaseFor why, Stream stream) {
-  ReleaseArgs a;
-  a.first_layer = first_layer;
-  a.num_layers = num_layers;
-  a.batch = 1;
-  a.slot = slot;
-  a.why = why;
-  return release_checkpoints(l, a, stream);
+  return release_checkpoints(l,
+                             {.first_layer = first_layer, .num_layers = num_layers, .batch = 1,
+                              .slot = slot, .why = why},
+                             stream);
 }
 
 }  // namespace replayssm

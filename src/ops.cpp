@@ -14,14 +14,11 @@ namespace {
 // Rows whose fold is due stop sharing a checkpoint first (checkpoint_sharing.h).
 template <typename Args>
 Status release_before_decode(StateCache& cache, const Args& args, Stream stream) {
-  ReleaseArgs r;
-  r.first_layer = args.layer;
-  r.num_layers = 1;
-  r.batch = args.batch;
-  r.slot_ids = args.slot_ids;
-  r.why = ReleaseFor::kFold;
-  r.num_tokens = args.num_tokens;
-  return release_checkpoints(cache.layout(), r, stream);
+  return release_checkpoints(cache.layout(),
+                             {.first_layer = args.layer, .num_layers = 1, .batch = args.batch,
+                              .slot_ids = args.slot_ids, .why = ReleaseFor::kFold,
+                              .num_tokens = args.num_tokens},
+                             stream);
 }
 
 }  // namespace

@@ -266,12 +266,10 @@ Status state_cache_fork(StateCache& cache, const ForkArgs& args, Stream stream) 
   if (args.batch == 0) return Status::ok();
   StateCacheLayout& l = cache.layout();
   // What a dst slot lends goes to its borrowers first; the fork then repoints the dst.
-  ReleaseArgs release;
-  release.num_layers = l.config.num_layers;
-  release.batch = args.batch;
-  release.slot_ids = args.dst_slots;
-  release.why = ReleaseFor::kHandOff;
-  REPLAYSSM_RETURN_IF_ERROR(release_checkpoints(l, release, stream));
+  REPLAYSSM_RETURN_IF_ERROR(release_checkpoints(
+      l, {.num_layers = l.config.num_layers, .batch = args.batch, .slot_ids = args.dst_slots,
+          .why = ReleaseFor::kHandOff},
+      stream));
   return on_backend(
       cache, [&] { cpu::fork(l, args); }, [&] { return cuda::fork(l, args, stream); });
 }

@@ -5,6 +5,7 @@
 // buffer table; and each backend's entry points. Arguments reaching a backend are validated.
 
 #include <cstdint>
+#include <cstring>
 
 #include "cache_buffers.h"
 #include "common/host_device.h"
@@ -113,6 +114,15 @@ inline SlotRuns slot_runs(const StateCacheLayout& l, SlotPart part,
     out.run[out.count++] = {static_cast<char*>(base), bytes};
   }
   return out;
+}
+
+/// Every checkpoint copy of [layer][slot] region `from` onto region `to`, in host memory (a CPU
+/// cache's fork and release).
+inline void copy_checkpoint_host(const SlotRuns& ckpt, std::int64_t from, std::int64_t to) {
+  for (int f = 0; f < ckpt.count; ++f) {
+    const ByteRun& r = ckpt.run[f];
+    std::memcpy(r.base + to * r.bytes, r.base + from * r.bytes, std::size_t(r.bytes));
+  }
 }
 
 // ---- the backends ----------------------------------------------------------------------------

@@ -347,12 +347,10 @@ Status state_cache_fold(StateCache& cache, const FoldArgs& args, Stream stream) 
   REPLAYSSM_RETURN_IF_ERROR(validate_batch_slots(cache, args.batch, args.slot_ids));
   StateCacheLayout& l = cache.layout();
   if (l.config.mode == DecodeMode::kEager || args.batch == 0) return Status::ok();
-  ReleaseArgs release;
-  release.num_layers = l.config.num_layers;
-  release.batch = args.batch;
-  release.slot_ids = args.slot_ids;
-  release.why = ReleaseFor::kFold;  // num_tokens 0: an explicit fold
-  REPLAYSSM_RETURN_IF_ERROR(release_checkpoints(l, release, stream));
+  REPLAYSSM_RETURN_IF_ERROR(release_checkpoints(  // num_tokens 0: an explicit fold
+      l, {.num_layers = l.config.num_layers, .batch = args.batch, .slot_ids = args.slot_ids,
+          .why = ReleaseFor::kFold},
+      stream));
   switch (l.config.device) {
     case Device::kCpu:
       for (int b = 0; b < args.batch; ++b) {

@@ -66,6 +66,7 @@ import torch
 
 import replayssm
 from replayssm.models import ServingCache, StateMode, attention
+from replayssm.models.base import slot_regions
 from replayssm.models.engine import StepRunner
 
 #: name -> (family module, config: an attribute path in it, called if callable, model class).
@@ -165,13 +166,7 @@ def fill_ssm_state(ssm, slots: list[int], gen: torch.Generator) -> None:
     if not rest:
         return
     others = torch.tensor(rest, device=gen.device)
-    for spec in replayssm.cache_buffers(ssm.config):
-        if spec.name == "allocated":  # the slots' own; allocate() set them
-            continue
-        buf = ssm.buffers[spec.name]
-        outer = 1 if spec.slot_axis == 0 else spec.shape[0]
-        # As bytes [outer, capacity, region]: every dtype (fp8 included) copies the same way.
-        region = buf.view(torch.uint8).view(outer, spec.shape[spec.slot_axis], -1)
+    for region in slot_regions(ssm):
         region[:, others] = region[:, first:first + 1].clone()
 
 

@@ -63,10 +63,8 @@ void fork(StateCacheLayout& l, const ForkArgs& a) {
       const int src = a.src_slots[b], dst = a.dst_slots[b];
       if (src < 0) continue;
       // A shared checkpoint is not copied: the cursor loop below points dst at it.
-      for (int f = 0; f < ckpt.count && l.ckpt_source == nullptr; ++f) {
-        const ByteRun& r = ckpt.run[f];
-        std::memcpy(r.base + l.layer_slot(layer, dst) * r.bytes,
-                    r.base + l.layer_slot(layer, src) * r.bytes, std::size_t(r.bytes));
+      if (l.ckpt_source == nullptr) {
+        copy_checkpoint_host(ckpt, l.layer_slot(layer, src), l.layer_slot(layer, dst));
       }
       const std::uint32_t first = l.folded[l.layer_slot(layer, src)];
       for (std::uint32_t pos = first; pos != a.positions[b]; ++pos) {

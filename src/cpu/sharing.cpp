@@ -1,21 +1,11 @@
 // release_checkpoints on a CPU cache (checkpoint_sharing.h): the rule, row by row.
 
-#include <cstring>
-
 #include "backend.h"
 #include "prefix_backend.h"
 
 namespace replayssm::cpu {
 
 namespace {
-
-// Every checkpoint copy of region `from` onto region `to` ([layer][slot] region indices).
-void copy_checkpoint(const SlotRuns& ckpt, std::int64_t from, std::int64_t to) {
-  for (int f = 0; f < ckpt.count; ++f) {
-    const ByteRun& r = ckpt.run[f];
-    std::memcpy(r.base + to * r.bytes, r.base + from * r.bytes, std::size_t(r.bytes));
-  }
-}
 
 void release_row(StateCacheLayout& l, const SlotRuns& ckpt, int layer, int slot,
                  const ReleaseArgs& a) {
@@ -24,14 +14,14 @@ void release_row(StateCacheLayout& l, const SlotRuns& ckpt, int layer, int slot,
   const std::uint32_t source = l.ckpt_source[ls];
   if (source != 0 && release_drops_borrow(a)) {
     const std::int64_t lender = l.checkpoint_region(layer, slot);
-    if (release_copies_borrowed(a)) copy_checkpoint(ckpt, lender, ls);
+    if (release_copies_borrowed(a)) copy_checkpoint_host(ckpt, lender, ls);
     l.ckpt_source[ls] = 0;
     --l.ckpt_borrowers[lender];
   }
   for (int x = 0; x < l.config.capacity && l.ckpt_borrowers[ls] != 0; ++x) {
     const std::int64_t lx = l.layer_slot(layer, x);
     if (l.ckpt_source[lx] != std::uint32_t(slot) + 1) continue;
-    copy_checkpoint(ckpt, ls, lx);
+    copy_checkpoint_host(ckpt, ls, lx);
     l.ckpt_source[lx] = 0;
     --l.ckpt_borrowers[ls];
   }

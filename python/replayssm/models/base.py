@@ -287,12 +287,7 @@ class ServingCache:
     def _copy_ssm_rows(self, src: int, dst: int) -> None:
         """Every SSM buffer's rows of ``src`` onto ``dst`` (``allocated`` aside): how an eager
         slot is forked (state_cache.h, Memory)."""
-        for spec in replayssm.cache_buffers(self.ssm.config):
-            if spec.name == "allocated":
-                continue
-            outer = 1 if spec.slot_axis == 0 else spec.shape[0]
-            region = self.ssm.buffers[spec.name].view(torch.uint8).view(
-                outer, spec.shape[spec.slot_axis], -1)
+        for region in slot_regions(self.ssm):
             region[:, dst] = region[:, src]
 
     def prefill_context(self, slot: int, tokens: torch.Tensor, start: int = 0,
@@ -479,6 +474,20 @@ class ServingCache:
         """Attention of a window's queries q [B, T, Hq, head_dim] (after kv_decode) over each
         row's keys [0, lengths + t] (attention.decode_attention: Triton on CUDA)."""
         return decode_attention(q, self.k[layer], self.v[layer], ctx.rows32, ctx.lengths, scale)
+
+
+def slot_regions(ssm: "rt.StateCache") -> list[torch.Tensor]:
+    """Every buffer of ``ssm`` but ``allocated`` (the slots' own flags) as bytes
+    [outer, capacity, region], so that slot rows copy alike whatever the dtype (fp8 included):
+    everything of slot s is ``region[:, s]`` (state_cache.h, Memory)."""
+    out = []
+    for spec in replayssm.cache_buffers(ssm.config):
+        if spec.name == "allocated":
+            continue
+        outer = 1 if spec.slot_axis == 0 else spec.shape[0]
+        out.append(ssm.buffers[spec.name].view(torch.uint8).view(
+            outer, spec.shape[spec.slot_axis], -1))
+    return out
 
 
 def weight_constant(module: torch.nn.Module, name: str, fn: Any, *params: torch.Tensor) -> Any:
