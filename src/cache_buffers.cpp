@@ -78,6 +78,11 @@ std::optional<CacheBufferSpec> spec_of(CacheBufferId id, const StateCacheConfig&
     case CacheBufferId::kCkptSource:
     case CacheBufferId::kCkptBorrowers:
       return replay && c.share_forked_checkpoints ? layered(DType::kU32, {}) : std::nullopt;
+    case CacheBufferId::kConvWindow:
+      if (!replay || c.conv_kernel == 0) return std::nullopt;
+      return layered(c.input_dtype,
+                     {conv_ring_capacity_for(c.buffer_len, c.max_spec_tokens, c.conv_kernel),
+                      c.conv_channels()});
   }
   return std::nullopt;
 }
@@ -102,6 +107,7 @@ const char* cache_buffer_name(CacheBufferId id) {
     case CacheBufferId::kAllocated: return "allocated";
     case CacheBufferId::kCkptSource: return "ckpt_source";
     case CacheBufferId::kCkptBorrowers: return "ckpt_borrowers";
+    case CacheBufferId::kConvWindow: return "conv_window";
   }
   return "?";
 }
@@ -136,6 +142,8 @@ bool zeroed_on_slot_reset(CacheBufferId id) {
     // nor lends its own (free releases both).
     case CacheBufferId::kCkptSource:
     case CacheBufferId::kCkptBorrowers:
+    // A fresh sequence's conv reads zeros before its first token (the conv's left padding).
+    case CacheBufferId::kConvWindow:
       return true;
     case CacheBufferId::kRingVec:
     case CacheBufferId::kRingKey:
@@ -166,6 +174,7 @@ void* layout_buffer(const StateCacheLayout& l, CacheBufferId id) {
     case CacheBufferId::kAllocated: return l.allocated;
     case CacheBufferId::kCkptSource: return l.ckpt_source;
     case CacheBufferId::kCkptBorrowers: return l.ckpt_borrowers;
+    case CacheBufferId::kConvWindow: return l.conv_window;
   }
   return nullptr;
 }
@@ -188,6 +197,7 @@ void bind_layout_buffer(StateCacheLayout& l, CacheBufferId id, void* p) {
     case CacheBufferId::kAllocated: l.allocated = static_cast<std::uint8_t*>(p); return;
     case CacheBufferId::kCkptSource: l.ckpt_source = static_cast<std::uint32_t*>(p); return;
     case CacheBufferId::kCkptBorrowers: l.ckpt_borrowers = static_cast<std::uint32_t*>(p); return;
+    case CacheBufferId::kConvWindow: l.conv_window = p; return;
   }
 }
 

@@ -3,6 +3,7 @@
 #include "replayssm/ops.h"
 
 #include "backend.h"
+#include "conv_window.h"
 #include "validate.h"
 
 namespace replayssm {
@@ -21,6 +22,23 @@ Status release_before_decode(StateCache& cache, const Args& args, Stream stream)
                              stream);
 }
 
+// A CPU decode on a conv cache: the window convolved on the host into the inputs the decode
+// takes, the decode, then the window's pre-conv inputs into the conv ring (the CUDA kernels do
+// all three in their one launch).
+template <typename Args, typename Decode>
+void cpu_decode(StateCacheLayout& l, const Args& args, Decode decode) {
+  if (args.conv.in == nullptr) {
+    decode(args, nullptr);
+    return;
+  }
+  const cpu::ConvOutputs convolved =
+      cpu::conv_outputs(l, args.layer, args.batch, args.num_tokens, args.slot_ids, args.conv);
+  Args plain = args;
+  plain.conv = {};
+  decode(plain, &convolved);
+  cpu::append_conv_inputs(l, args.layer, args.batch, args.num_tokens, args.slot_ids, args.conv);
+}
+
 }  // namespace
 
 Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args, Stream stream) {
@@ -29,7 +47,10 @@ Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args, Stream str
   REPLAYSSM_RETURN_IF_ERROR(release_before_decode(cache, args, stream));
   switch (cache.config().device) {
     case Device::kCpu:
-      cpu::mamba2_decode(cache.layout(), args);
+      cpu_decode(cache.layout(), args, [&](Mamba2DecodeArgs a, const cpu::ConvOutputs* in) {
+        if (in != nullptr) a.x = in->vec.data(), a.B = in->key.data(), a.C = in->query.data();
+        cpu::mamba2_decode(cache.layout(), a);
+      });
       return Status::ok();
     case Device::kCuda: return cuda::mamba2_decode(cache.layout(), args, stream);
   }
@@ -42,7 +63,10 @@ Status gdn_decode(StateCache& cache, const GdnDecodeArgs& args, Stream stream) {
   REPLAYSSM_RETURN_IF_ERROR(release_before_decode(cache, args, stream));
   switch (cache.config().device) {
     case Device::kCpu:
-      cpu::gdn_decode(cache.layout(), args);
+      cpu_decode(cache.layout(), args, [&](GdnDecodeArgs a, const cpu::ConvOutputs* in) {
+        if (in != nullptr) a.q = in->query.data(), a.k = in->key.data(), a.v = in->vec.data();
+        cpu::gdn_decode(cache.layout(), a);
+      });
       return Status::ok();
     case Device::kCuda: return cuda::gdn_decode(cache.layout(), args, stream);
   }

@@ -7,6 +7,7 @@
 
 #include "backend.h"
 #include "checkpoint_sharing.h"
+#include "conv_window.h"
 #include "prefix_backend.h"
 #include "validate.h"
 
@@ -232,6 +233,13 @@ Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream st
   REPLAYSSM_RETURN_IF_ERROR(require(args.states, op, "states"));
   StateCacheLayout& l = cache.layout();
   REPLAYSSM_RETURN_IF_ERROR(check_records(cache, op, args.records, l.max_history()));
+  if ((args.conv_window != nullptr) != (l.conv_window != nullptr)) {
+    return invalid_argument(std::string(op) + (l.conv_window != nullptr
+                                                   ? ": conv_window is null; a conv cache "
+                                                     "restores each layer's conv window"
+                                                   : ": conv_window given but the cache has no "
+                                                     "conv window (conv_kernel = 0)"));
+  }
   HostCursors cursors;
   REPLAYSSM_RETURN_IF_ERROR(cursors.init(cache, stream));
   for (int layer = 0; layer < l.config.num_layers; ++layer) {
@@ -250,7 +258,7 @@ Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream st
       }
     }
   }
-  return on_backend(
+  REPLAYSSM_RETURN_IF_ERROR(on_backend(
       cache,
       [&] {
         // The slot's checkpoint is replaced: it stops sharing (its borrowers get copies).
@@ -258,7 +266,17 @@ Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream st
                                        ReleaseFor::kOverwrite, stream);
         cpu::restore(l, args);
       },
-      [&] { return cuda::restore(l, args, stream); });
+      [&] { return cuda::restore(l, args, stream); }));
+  if (args.conv_window == nullptr) return Status::ok();
+  const std::size_t window_bytes = std::size_t(l.conv_kernel() - 1) *
+                                   std::size_t(l.conv_channels()) *
+                                   dtype_size(l.config.input_dtype);
+  const std::uint32_t end = args.position + std::uint32_t(args.records.count);
+  for (int layer = 0; layer < l.config.num_layers; ++layer) {
+    const auto* window = static_cast<const char*>(args.conv_window) + layer * window_bytes;
+    REPLAYSSM_RETURN_IF_ERROR(write_conv_window(l, layer, args.slot, end, window, stream));
+  }
+  return Status::ok();
 }
 
 Status state_cache_fork(StateCache& cache, const ForkArgs& args, Stream stream) {
@@ -271,7 +289,12 @@ Status state_cache_fork(StateCache& cache, const ForkArgs& args, Stream stream) 
           .why = ReleaseFor::kHandOff},
       stream));
   return on_backend(
-      cache, [&] { cpu::fork(l, args); }, [&] { return cuda::fork(l, args, stream); });
+      cache,
+      [&] {
+        cpu::fork(l, args);
+        if (l.conv_window != nullptr) cpu::fork_conv_window(l, args);
+      },
+      [&] { return cuda::fork(l, args, stream); });
 }
 
 Status state_cache_truncate(StateCache& cache, const TruncateArgs& args, Stream stream) {

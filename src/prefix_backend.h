@@ -72,6 +72,7 @@ inline SlotPart slot_part(CacheBufferId id) {
     case CacheBufferId::kAllocated:
     case CacheBufferId::kCkptSource:
     case CacheBufferId::kCkptBorrowers:
+    case CacheBufferId::kConvWindow:  // its own ring (conv_record), copied by position
       return SlotPart::kOther;
   }
   return SlotPart::kOther;
@@ -96,6 +97,7 @@ inline void* records_field(const CacheRecords& r, CacheBufferId id) {
     case CacheBufferId::kAllocated:
     case CacheBufferId::kCkptSource:
     case CacheBufferId::kCkptBorrowers:
+    case CacheBufferId::kConvWindow:
       return nullptr;
   }
   return nullptr;

@@ -9,6 +9,7 @@
 #include "backend.h"
 #include "cache_buffers.h"
 #include "checkpoint_sharing.h"
+#include "conv_window.h"
 #include "state_cache_layout.h"
 #include "validate.h"
 
@@ -30,6 +31,11 @@ struct StateCacheAccess {
   static std::vector<int>& free_list(StateCache& c) { return c.free_list_; }
   static std::vector<std::uint8_t>& host_allocated(StateCache& c) { return c.host_allocated_; }
 };
+
+int StateCacheConfig::conv_channels() const {
+  const StateDims d = dims();
+  return d.heads * d.rows + 2 * d.key_heads * d.cols;
+}
 
 StateDims StateCacheConfig::dims() const {
   switch (kind) {
@@ -76,6 +82,10 @@ Status validate_config(const StateCacheConfig& c) {
         return invalid_argument("share_forked_checkpoints needs a replay cache (an eager "
                                 "cache has no checkpoint to share and cannot fork)");
       }
+      if (c.conv_kernel != 0) {
+        return invalid_argument("conv_kernel needs a replay cache (eager decodes take "
+                                "convolved inputs; leave conv_kernel at 0)");
+      }
       if (!is_activation_dtype(c.state_dtype)) {
         return invalid_argument(std::string("unsupported eager state dtype ") +
                                 dtype_name(c.state_dtype) + "; supported: f32, bf16, f16");
@@ -85,6 +95,10 @@ Status validate_config(const StateCacheConfig& c) {
       if (c.buffer_len < 1 || c.buffer_len > kMaxBufferLen) {
         return invalid_argument("buffer_len (L) must be in [1, " + str(kMaxBufferLen) +
                                 "], got " + str(c.buffer_len));
+      }
+      if (c.conv_kernel != 0 && (c.conv_kernel < 2 || c.conv_kernel > kMaxConvKernel)) {
+        return invalid_argument("conv_kernel must be 0 (no fused conv) or in [2, " +
+                                str(kMaxConvKernel) + "], got " + str(c.conv_kernel));
       }
       return Status::ok();
   }
@@ -140,6 +154,10 @@ Status build_cache(const StateCacheConfig& config, std::span<const CacheBufferBi
   l.ring_capacity = config.mode == DecodeMode::kReplay
                         ? ring_capacity_for(config.buffer_len, config.max_spec_tokens)
                         : 0;
+  l.conv_ring = config.conv_kernel > 0 ? conv_ring_capacity_for(config.buffer_len,
+                                                                config.max_spec_tokens,
+                                                                config.conv_kernel)
+                                       : 0;
   for (const CacheBufferSpec& s : cache_buffer_specs(config)) l.total_bytes += s.bytes;
   for (const CacheBufferBinding& b : buffers) bind_layout_buffer(l, b.id, b.data);
 
@@ -329,6 +347,41 @@ Status state_cache_export_state(StateCache& cache, int layer, int slot, float* s
     case Device::kCuda: return cuda::export_state(l, layer, slot, state, stream);
   }
   return invalid_argument("unknown device");
+}
+
+namespace {
+
+// What loading and exporting a conv window check; the slot's committed position on the host.
+Status conv_window_call(StateCache& cache, int layer, int slot, const void* window,
+                        const char* op, Stream stream, std::uint32_t* committed) {
+  REPLAYSSM_RETURN_IF_ERROR(validate_layer(cache, layer));
+  REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
+  if (window == nullptr) return invalid_argument(std::string(op) + ": window is null");
+  const StateCacheLayout& l = cache.layout();
+  if (l.conv_window == nullptr) {
+    return invalid_argument(std::string(op) + ": the cache has no conv window (conv_kernel = 0)");
+  }
+  return memory_to_host(l.config.device, committed, l.committed + slot, sizeof(std::uint32_t),
+                        stream);
+}
+
+}  // namespace
+
+Status state_cache_load_conv_window(StateCache& cache, int layer, int slot, const void* window,
+                                    Stream stream) {
+  std::uint32_t committed = 0;
+  REPLAYSSM_RETURN_IF_ERROR(conv_window_call(cache, layer, slot, window,
+                                             "state_cache_load_conv_window", stream, &committed));
+  return write_conv_window(cache.layout(), layer, slot, committed, window, stream);
+}
+
+Status state_cache_export_conv_window(StateCache& cache, int layer, int slot, void* window,
+                                      Stream stream) {
+  std::uint32_t committed = 0;
+  REPLAYSSM_RETURN_IF_ERROR(conv_window_call(cache, layer, slot, window,
+                                             "state_cache_export_conv_window", stream,
+                                             &committed));
+  return read_conv_window(cache.layout(), layer, slot, committed, window, stream);
 }
 
 Status state_cache_commit(StateCache& cache, const CommitArgs& args, Stream stream) {

@@ -42,6 +42,12 @@ REPLAYSSM_HD constexpr int ring_capacity_for(int L, int T) {
   while (p < max_records(L, T)) p <<= 1;
   return p;
 }
+/// Conv window ring entries per (layer, slot) of a conv cache (kernel K): K - 1 more than the
+/// records, so that the window of every position in reach (prefix.h: fork, truncate) survives
+/// the window appended after the committed end.
+REPLAYSSM_HD constexpr int conv_ring_capacity_for(int L, int T, int K) {
+  return ring_capacity_for(L + K - 1, T);
+}
 /// Whether a decode of `num_tokens` tokens (0: an explicit fold) folds the committed history
 /// first: a decode when at least L tokens wait, an explicit fold whenever any do.
 REPLAYSSM_HD constexpr bool fold_due(std::uint32_t unfolded_count, int num_tokens, int L) {
@@ -91,6 +97,10 @@ struct StateCacheLayout {
   // borrows (forks of a copy name its source's source). src/checkpoint_sharing.h has the rules.
   std::uint32_t* ckpt_source = nullptr;
   std::uint32_t* ckpt_borrowers = nullptr;
+  // conv_kernel > 0 only (else null): the pre-conv inputs, [layer][slot][conv_ring][channels]
+  // in the input dtype, position p at p & (conv_ring - 1) (conv_record).
+  void* conv_window = nullptr;
+  int conv_ring = 0;  // power of two; 0 without conv_window
 
   // Sizes and offsets, in elements.
   REPLAYSSM_HD std::int64_t state_elems() const {
@@ -121,6 +131,29 @@ struct StateCacheLayout {
   /// Index of ring entry `pos` of (layer, slot) in units of one record.
   REPLAYSSM_HD std::int64_t ring_record(int layer, int slot, std::uint32_t pos) const {
     return layer_slot(layer, slot) * ring_capacity + (pos & std::uint32_t(ring_capacity - 1));
+  }
+  // The conv window (conv caches).
+  REPLAYSSM_HD int conv_kernel() const { return config.conv_kernel; }
+  REPLAYSSM_HD int conv_channels() const {
+    return dims.heads * dims.rows + 2 * dims.key_heads * dims.cols;
+  }
+  /// Index of conv ring entry `pos` of (layer, slot) in units of one row of conv_channels.
+  REPLAYSSM_HD std::int64_t conv_record(int layer, int slot, std::uint32_t pos) const {
+    return layer_slot(layer, slot) * conv_ring + (pos & std::uint32_t(conv_ring - 1));
+  }
+  /// First conv channel of each part: the per-head vectors (Mamba-2 x, GDN v), the keys
+  /// (Mamba-2 B, GDN k) and the queries (Mamba-2 C, GDN q), in the models' channel order
+  /// (Mamba-2 x, B, C; GDN q, k, v).
+  REPLAYSSM_HD int conv_vec_channel() const {
+    return config.kind == LayerKind::kMamba2 ? 0 : 2 * dims.key_heads * dims.cols;
+  }
+  REPLAYSSM_HD int conv_key_channel() const {
+    return config.kind == LayerKind::kMamba2 ? dims.heads * dims.rows
+                                             : dims.key_heads * dims.cols;
+  }
+  REPLAYSSM_HD int conv_query_channel() const {
+    return config.kind == LayerKind::kMamba2 ? dims.heads * dims.rows + dims.key_heads * dims.cols
+                                             : 0;
   }
   /// Eager: state copies per (layer, slot).
   REPLAYSSM_HD int state_copies() const { return eager_state_copies(config.max_spec_tokens); }

@@ -1,6 +1,7 @@
 #include "validate.h"
 
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,47 @@ Status check_token_range(const char* op, const char* name, const float* v, int b
 }
 
 constexpr double kInf = INFINITY;
+
+struct NamedInput {
+  const void* ptr;
+  const char* name;
+};
+
+// The inputs a decode convolves itself (conv caches: ConvInputs) or takes convolved (the
+// others): exactly one of the two is given.
+Status validate_conv_inputs(const StateCache& cache, const char* op, const ConvInputs& conv,
+                            std::initializer_list<NamedInput> convolved) {
+  const StateCacheConfig& c = cache.config();
+  if (c.conv_kernel == 0) {
+    if (conv.in != nullptr || conv.weight != nullptr || conv.bias != nullptr) {
+      return invalid_argument(std::string(op) + ": conv inputs given but the cache has no conv "
+                              "window (conv_kernel = 0); pass the convolved inputs");
+    }
+    for (const NamedInput& in : convolved) REPLAYSSM_RETURN_IF_ERROR(require(in.ptr, op, in.name));
+    return Status::ok();
+  }
+  for (const NamedInput& in : convolved) {
+    if (in.ptr != nullptr) {
+      return invalid_argument(std::string(op) + ": " + in.name + " given, but a conv cache " +
+                              "(conv_kernel = " + str(c.conv_kernel) +
+                              ") takes the pre-conv inputs in conv.in instead");
+    }
+  }
+  REPLAYSSM_RETURN_IF_ERROR(require(conv.in, op, "conv.in"));
+  REPLAYSSM_RETURN_IF_ERROR(require(conv.weight, op, "conv.weight"));
+  const int channels = c.conv_channels();
+  if (conv.stride != 0 && conv.stride < channels) {
+    return invalid_argument(std::string(op) + ": conv.stride " + str(conv.stride) +
+                            " is shorter than a row of " + str(channels) + " conv channels");
+  }
+  if (!on_cpu(cache)) return Status::ok();  // device memory: not read on the host
+  REPLAYSSM_RETURN_IF_ERROR(check_range(op, "conv.weight", conv.weight,
+                                        std::int64_t{channels} * c.conv_kernel, -kInf, kInf,
+                                        "the conv weights must be finite"));
+  if (conv.bias == nullptr) return Status::ok();
+  return check_range(op, "conv.bias", conv.bias, channels, -kInf, kInf,
+                     "the conv bias must be finite");
+}
 
 }  // namespace
 
@@ -192,10 +234,9 @@ Status validate_mamba2_decode(const StateCache& cache, const Mamba2DecodeArgs& a
   REPLAYSSM_RETURN_IF_ERROR(
       validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.slot_ids));
   if (a.batch == 0) return Status::ok();
-  REPLAYSSM_RETURN_IF_ERROR(require(a.x, op, "x"));
+  REPLAYSSM_RETURN_IF_ERROR(
+      validate_conv_inputs(cache, op, a.conv, {{a.x, "x"}, {a.B, "B"}, {a.C, "C"}}));
   REPLAYSSM_RETURN_IF_ERROR(require(a.dt, op, "dt"));
-  REPLAYSSM_RETURN_IF_ERROR(require(a.B, op, "B"));
-  REPLAYSSM_RETURN_IF_ERROR(require(a.C, op, "C"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.A, op, "A"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.D, op, "D"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.dt_bias, op, "dt_bias"));
@@ -220,9 +261,8 @@ Status validate_gdn_decode(const StateCache& cache, const GdnDecodeArgs& a) {
   REPLAYSSM_RETURN_IF_ERROR(
       validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.slot_ids));
   if (a.batch == 0) return Status::ok();
-  REPLAYSSM_RETURN_IF_ERROR(require(a.q, op, "q"));
-  REPLAYSSM_RETURN_IF_ERROR(require(a.k, op, "k"));
-  REPLAYSSM_RETURN_IF_ERROR(require(a.v, op, "v"));
+  REPLAYSSM_RETURN_IF_ERROR(
+      validate_conv_inputs(cache, op, a.conv, {{a.q, "q"}, {a.k, "k"}, {a.v, "v"}}));
   REPLAYSSM_RETURN_IF_ERROR(require(a.g, op, "g"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.beta, op, "beta"));
   REPLAYSSM_RETURN_IF_ERROR(require(a.o, op, "o"));

@@ -42,6 +42,21 @@
 
 namespace replayssm {
 
+/// The pre-conv inputs of a decode on a conv cache (StateCacheConfig::conv_kernel = K > 0),
+/// which then takes no x, B, C (Mamba-2) or q, k, v (GDN): token t of row b has
+///   u = SiLU(bias + sum_{i<K} weight[c][i] · in(position committed + t - (K - 1) + i)),
+/// accumulated in fp32 in that order (fmaf) and rounded to the input dtype, for every channel
+/// c, where in(p) is the window's own token or, before the window, the cache's conv ring.
+/// The window's inputs go into the ring at committed + t (a rejected draft's are overwritten
+/// by the next window, as ring records are).
+struct ConvInputs {
+  const void* in = nullptr;        ///< [batch, T, conv_channels] input dtype, tokens `stride` apart
+  std::int64_t stride = 0;         ///< elements from one token's row to the next; 0 = conv_channels
+                                   ///< (a slice of a wider projection: its row length)
+  const float* weight = nullptr;   ///< [conv_channels, K]: the model's conv1d weight [C, 1, K]
+  const float* bias = nullptr;     ///< [conv_channels], or null for none
+};
+
 struct Mamba2DecodeArgs {
   int layer = 0;
   int batch = 0;
@@ -56,6 +71,8 @@ struct Mamba2DecodeArgs {
   const float* D = nullptr;                ///< [nheads]
   const float* dt_bias = nullptr;          ///< [nheads]
   void* y = nullptr;                       ///< [batch, T, nheads, head_dim]   input dtype
+  /// Conv caches: x, B, C before the conv (channels x, B, C), instead of x, B and C.
+  ConvInputs conv;
 };
 
 struct GdnDecodeArgs {
@@ -71,6 +88,8 @@ struct GdnDecodeArgs {
   bool qk_l2norm = true;                   ///< L2-normalise q and k (eps 1e-6 under the root)
   float scale = 0.0f;                      ///< applied to q (after normalising); 0 = K^-1/2
   void* o = nullptr;                       ///< [batch, T, num_v_heads, head_v_dim]  input dtype
+  /// Conv caches: q, k, v before the conv (channels q, k, v), instead of q, k and v.
+  ConvInputs conv;
 };
 
 Status mamba2_decode(StateCache& cache, const Mamba2DecodeArgs& args,

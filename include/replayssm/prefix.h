@@ -89,6 +89,10 @@ struct RestoreArgs {
   /// The records of positions position .. position + count - 1, or count = 0 for none; count
   /// at most buffer_len - 1 + max_spec_tokens (what a slot's ring holds committed).
   CacheRecords records;
+  /// Conv caches (conv_kernel = K > 0): every layer's conv window at the restored committed end
+  /// (position + count), as state_cache_load_conv_window takes it: [num_layers, K - 1,
+  /// conv_channels] input dtype. Null for other caches.
+  const void* conv_window = nullptr;
 };
 
 /// Loads an entry into a slot, replacing everything of it: every layer's checkpoint copies

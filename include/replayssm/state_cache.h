@@ -44,6 +44,7 @@ namespace replayssm {
 /// tools check them before any work and quote them in --help).
 inline constexpr int kMaxBufferLen = 4096;  ///< buffer_len (L) in [1, kMaxBufferLen]
 inline constexpr int kMaxSpecTokens = 64;   ///< max_spec_tokens (T) in [1, kMaxSpecTokens]
+inline constexpr int kMaxConvKernel = 8;    ///< conv_kernel in {0} ∪ [2, kMaxConvKernel]
 
 struct StateCacheConfig {
   LayerKind kind = LayerKind::kMamba2;
@@ -75,8 +76,22 @@ struct StateCacheConfig {
   /// reads another's checkpoint, its own rows of ckpt_hi / ckpt_lo / ckpt_lo_scale are unused:
   /// an engine that copies slot rows itself must copy through ckpt_source (see Memory above).
   bool share_forked_checkpoints = false;
+  /// Replay only: the width of the layer's causal conv1d when the decodes apply it (0: they do
+  /// not; the caller convolves and passes x, B, C or q, k, v). With conv_kernel = K > 0 every
+  /// decode takes the pre-conv inputs (ConvInputs in ops.h), applies conv + bias + SiLU to the
+  /// window's tokens inside its one launch, and keeps each layer's conv inputs in the cache's
+  /// conv_window ring: no separate conv state is read and written and no conv kernel runs.
+  /// The ring holds K - 1 + max_records positions (the next power of two), so that fork and
+  /// truncate find the conv window at every position they accept; a slot's window starts as
+  /// zeros (a fresh sequence's left padding) and is set by state_cache_load_conv_window after
+  /// a prefill, and by state_cache_restore's conv_window.
+  int conv_kernel = 0;
 
   [[nodiscard]] StateDims dims() const;
+  /// Channels of the layer's causal conv1d, in the models' order: Mamba-2 x, B, C
+  /// (nheads·head_dim + 2·ngroups·dstate); GDN q, k, v (2·num_k_heads·head_k_dim +
+  /// num_v_heads·head_v_dim).
+  [[nodiscard]] int conv_channels() const;
 };
 
 /// Whether some backend of this build can run `config` (shape, dtypes, precision, window width
@@ -107,8 +122,10 @@ enum class CacheBufferId : std::uint8_t {
                   ///< t + 1 = slot t's)
   kCkptBorrowers, ///< share_forked_checkpoints: [layers, capacity]  u32 (slots reading this
                   ///< slot's checkpoint)
+  kConvWindow,    ///< conv_kernel > 0: [layers, capacity, conv_ring, conv_channels]  input dtype
+                  ///< (pre-conv inputs; position p at p & (conv_ring - 1))
 };
-inline constexpr int kNumCacheBuffers = 16;
+inline constexpr int kNumCacheBuffers = 17;
 
 /// "ckpt_hi", "ring_vec", ... (the names used in messages and by the Python package).
 const char* cache_buffer_name(CacheBufferId id);
@@ -214,6 +231,17 @@ Status state_cache_load_state(StateCache& cache, int layer, int slot, const floa
 /// checkpoint. Synchronises the stream.
 Status state_cache_export_state(StateCache& cache, int layer, int slot, float* state,
                                 Stream stream = kDefaultStream);
+
+/// Conv caches (StateCacheConfig::conv_kernel = K > 0): writes a layer's conv window, the
+/// pre-conv inputs of the K - 1 positions before the slot's committed one ([K - 1, conv_channels]
+/// in the input dtype, oldest first; host memory, or for a CUDA cache also device memory).
+/// The prefill hand-off beside state_cache_load_state; a sequence shorter than K - 1 tokens
+/// passes zeros for the positions before its first. Synchronises the stream.
+Status state_cache_load_conv_window(StateCache& cache, int layer, int slot, const void* window,
+                                    Stream stream = kDefaultStream);
+/// Reads the same K - 1 rows of a layer's conv window (preemption, debugging). Synchronises.
+Status state_cache_export_conv_window(StateCache& cache, int layer, int slot, void* window,
+                                      Stream stream = kDefaultStream);
 
 struct CommitArgs {
   int batch = 0;

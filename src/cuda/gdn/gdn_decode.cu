@@ -69,6 +69,11 @@ Status can_implement(const StateCacheConfig& c) {
   bool generic = false;
   REPLAYSSM_RETURN_IF_ERROR(uses_generic_kernels(c, &generic));
   if (!generic) return Status::ok();
+  if (c.conv_kernel != 0) {
+    return unsupported("gdn CUDA replay fuses the conv (conv_kernel > 0) in its tuned kernel "
+                       "only: head_k_dim a multiple of 16 up to 128, head_v_dim <= 128, "
+                       "max_spec_tokens <= 8, staging within the GPU's shared memory");
+  }
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
   const int bytes = generic_smem_bytes(c, c.max_spec_tokens);
@@ -91,6 +96,7 @@ GdnInputs input_args(const GdnDecodeArgs& a, int head_k_dim) {
   in.g = a.g;
   in.beta = a.beta;
   in.o = a.o;
+  in.conv = a.conv;
   in.qk_l2norm = a.qk_l2norm;
   // As the CPU backend's query_scale, so that both round q̂ alike.
   in.q_scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(head_k_dim));

@@ -98,6 +98,7 @@ struct GdnInputs {
   const float* g = nullptr;                ///< [batch, T, Hv]
   const float* beta = nullptr;             ///< [batch, T, Hv]
   void* o = nullptr;                       ///< [batch, T, Hv, V]  input dtype
+  ConvInputs conv;  ///< conv caches (replay kernel only): q, k, v before the conv
   bool qk_l2norm = true;
   float q_scale = 1.0f;  ///< resolved: args.scale, or K^-1/2 when 0 (as the CPU computes it)
 };
@@ -129,9 +130,10 @@ struct ReplaySmem {
   int key_bytes = 0;  ///< input_t [records][K]    raw k (history, then window); k̂ = k·kscale
   int vec_bytes = 0;  ///< input_t [records][vec_stride]  v of the G heads
   int vec_stride = 0;
+  int conv_q_bytes = 0;  ///< conv caches: input_t [T][K]  the window's q after the conv
   int bytes = 0;
 
-  static ReplaySmem make(int T, int G, int K, int V, int records, int in_size) {
+  static ReplaySmem make(int T, int G, int K, int V, int records, int in_size, bool conv) {
     ReplaySmem s;
     int f = 0;
     s.qhat = f;
@@ -152,6 +154,10 @@ struct ReplaySmem {
     s.vec_stride = (G * V + per16 - 1) / per16 * per16;
     s.vec_bytes = s.key_bytes + records * K * in_size;
     s.bytes = s.vec_bytes + records * s.vec_stride * in_size;
+    if (conv) {
+      s.conv_q_bytes = (s.bytes + 15) / 16 * 16;
+      s.bytes = s.conv_q_bytes + T * K * in_size;
+    }
     return s;
   }
 };

@@ -32,6 +32,7 @@
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/checkpoint.cuh"
+#include "cuda/common/conv.cuh"
 #include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/launch.cuh"
@@ -121,7 +122,7 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
 /// Phase 1, window: records of the T tokens at staged index hist + t (raw k and its factor,
 /// v, β, g), appended to the ring at position committed + t by split 0 (the other splits of
 /// the key head stage the same values). q̂ of each token into s_qhat.
-template <typename input_t>
+template <typename input_t, bool kConv>
 __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, int slot, int hk,
                                              int b, std::uint32_t committed, int hist,
                                              bool append, unsigned char* smem) {
@@ -135,6 +136,33 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
   auto* s_vec = reinterpret_cast<input_t*>(smem + p.smem.vec_bytes);
   auto* ring_key = static_cast<input_t*>(l.ring_key);
   auto* ring_vec = static_cast<input_t*>(l.ring_vec);
+  // Where token t's q, k and v are read: the inputs, or on a conv cache shared memory, where
+  // the block convolves them first (cuda/common/conv.cuh): k and v where they are staged, q
+  // into its own rows.
+  constexpr bool conv = kConv;
+  auto* s_conv_q = reinterpret_cast<input_t*>(smem + p.smem.conv_q_bytes);
+  if constexpr (kConv) {
+    conv_channels(l, in.conv, layer, slot, b, T, committed, l.conv_query_channel() + hk * K, K,
+                  s_conv_q, K);
+    conv_channels(l, in.conv, layer, slot, b, T, committed, l.conv_key_channel() + hk * K, K,
+                  s_key + hist * K, K);
+    conv_channels(l, in.conv, layer, slot, b, T, committed, l.conv_vec_channel() + h0 * V, G * V,
+                  s_vec + hist * p.smem.vec_stride, p.smem.vec_stride);
+    if (append) {
+      append_conv_channels<input_t>(l, in.conv, layer, slot, b, T, committed,
+                                    l.conv_query_channel() + hk * K, K);
+      append_conv_channels<input_t>(l, in.conv, layer, slot, b, T, committed,
+                                    l.conv_key_channel() + hk * K, K);
+      append_conv_channels<input_t>(l, in.conv, layer, slot, b, T, committed,
+                                    l.conv_vec_channel() + h0 * V, G * V);
+    }
+    __syncthreads();
+  }
+  const auto qk_of = [&](bool is_key, int t) -> const input_t* {
+    if (conv) return is_key ? s_key + (hist + t) * K : s_conv_q + t * K;
+    const std::int64_t bt = std::int64_t{b} * T + t;
+    return static_cast<const input_t*>(is_key ? in.k : in.q) + (bt * Hk + hk) * K;
+  };
 
   // k and q̂: one warp per (token, which). The ring keeps the raw k (copied, exact) and its
   // fp32 normalisation factor; every use (this step's walks included) forms k̂ = k·factor in
@@ -144,8 +172,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
   for (int job = warp; job < 2 * T; job += blockDim.x / 32) {
     const bool is_key = job < T;
     const int t = is_key ? job : job - T;
-    const std::int64_t bt = std::int64_t{b} * T + t;
-    const auto* src = static_cast<const input_t*>(is_key ? in.k : in.q) + (bt * Hk + hk) * K;
+    const input_t* src = qk_of(is_key, t);
     if (is_key) {
       float x[kWalkPerLane];
       const float factor = load_l2norm_factor_warp(src, K, lane, x);
@@ -177,7 +204,9 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
   for (int i = threadIdx.x; i < T * n; i += blockDim.x) {
     const int t = i / n;
     const int e = i - t * n;
-    const input_t x = static_cast<const input_t*>(in.v)[((std::int64_t{b} * T + t) * Hv + h0) * V + e];
+    const input_t x =
+        conv ? s_vec[(hist + t) * p.smem.vec_stride + e]
+             : static_cast<const input_t*>(in.v)[((std::int64_t{b} * T + t) * Hv + h0) * V + e];
     s_vec[(hist + t) * p.smem.vec_stride + e] = x;
     if (append) {
       const std::int64_t rec = l.ring_record(layer, slot, committed + std::uint32_t(t));
@@ -283,7 +312,7 @@ __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int h, int v
   }
 }
 
-template <typename input_t, CheckpointPrecision P>
+template <typename input_t, CheckpointPrecision P, bool kConv>
 __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     gdn_replay_kernel(const __grid_constant__ ReplayParams p) {
   using Traits = CheckpointTypes<P>;
@@ -356,7 +385,9 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 
   // Phase 1.
   stage_history<input_t>(p, layer, slot, hk, first, hist, h_lo, h_hi, smem);
-  if (T > 0) stage_window<input_t>(p, layer, slot, hk, b, committed, hist, split == 0, smem);
+  if (T > 0) {
+    stage_window<input_t, kConv>(p, layer, slot, hk, b, committed, hist, split == 0, smem);
+  }
   if (T > 0 && hk == 0 && split == 0 && threadIdx.x == 0) {
     l.pending[l.layer_slot(layer, slot)] = static_cast<std::uint8_t>(T);
   }
@@ -487,7 +518,9 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
                        " blocks per batch row, got " + std::to_string(blocks_per_row));
   }
   const dim3 grid(blocks_per_row, batch, num_layers);
-  auto kernel = gdn_replay_kernel<input_t, P>;
+  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged.
+  auto kernel = p.in.conv.in != nullptr ? gdn_replay_kernel<input_t, P, true>
+                                        : gdn_replay_kernel<input_t, P, false>;
   if (p.smem.bytes > 48 * 1024) {
     REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
@@ -502,7 +535,7 @@ ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
   const StateDims d = c.dims();
   return ReplaySmem::make(num_tokens, d.heads_per_key(), d.cols, d.rows,
                           max_history(c.buffer_len, c.max_spec_tokens) + num_tokens,
-                          static_cast<int>(dtype_size(c.input_dtype)));
+                          static_cast<int>(dtype_size(c.input_dtype)), c.conv_kernel > 0);
 }
 
 Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t stream) {

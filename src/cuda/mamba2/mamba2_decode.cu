@@ -42,7 +42,13 @@ Status can_implement(const StateCacheConfig& c) {
   if (!CheckpointPrecisions::contains(c.checkpoint)) {
     return CheckpointPrecisions::error(c.checkpoint, "mamba2 checkpoint precision");
   }
-  if (uses_generic_kernels(c.mamba2)) return Status::ok();
+  if (uses_generic_kernels(c.mamba2)) {
+    if (c.conv_kernel != 0) {
+      return unsupported("mamba2 CUDA replay fuses the conv (conv_kernel > 0) in its tuned "
+                         "kernel only: dstate 128, head_dim <= 128");
+    }
+    return Status::ok();
+  }
   if (c.max_spec_tokens > kMaxWindow) {
     return unsupported("mamba2 CUDA replay verifies windows of up to " +
                        std::to_string(kMaxWindow) + " tokens; the cache's max_spec_tokens is " +
@@ -104,6 +110,7 @@ Status mamba2_decode(StateCacheLayout& cache, const Mamba2DecodeArgs& a, Stream 
   p.D = a.D;
   p.dt_bias = a.dt_bias;
   p.y = a.y;
+  p.conv = a.conv;
   // One launch per call: a replay launch moves its own fold cursor (cursors.cuh).
   if (mamba2::uses_generic_kernels(cache.config.mamba2)) return mamba2::launch_generic(p, stream);
   if (cache.config.mode == DecodeMode::kEager) return mamba2::launch_eager(p, stream);

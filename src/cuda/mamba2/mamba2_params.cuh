@@ -49,6 +49,8 @@ struct Params {
   const float* D = nullptr;                ///< [nheads]
   const float* dt_bias = nullptr;          ///< [nheads]
   void* y = nullptr;                       ///< [batch, T, nheads, head_dim]
+  /// Conv caches: the pre-conv inputs (then x, B and C are null; replay kernel only).
+  ConvInputs conv;
   /// Replay: heads of one group per block for rows whose fold is due (heads / heads_per_cta
   /// blocks per grid row). A row that only reads takes runs of read_heads_per_cta >=
   /// heads_per_cta heads on the first heads / read_heads_per_cta blocks of its grid row; its

@@ -38,6 +38,7 @@
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/checkpoint.cuh"
+#include "cuda/common/conv.cuh"
 #include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/launch.cuh"
@@ -122,12 +123,15 @@ struct Block {
 // Step 1: the records' x (this block's heads), B and C (the group's) by cp.async, one group;
 // Δ and A·Δ by plain loads. History j < w from ring position folded + j, window token t at
 // record w + t from the inputs.
-template <typename input_t, CheckpointPrecision P>
-__device__ void issue_staging(const Params& p, const Block& k, std::uint32_t folded) {
+// A conv cache's window (kConv) is convolved here from the pre-conv inputs
+// (cuda/common/conv.cuh) instead of copied.
+template <typename input_t, CheckpointPrecision P, bool kConv>
+__device__ void issue_staging(const Params& p, const Block& k, std::uint32_t folded,
+                              std::uint32_t committed) {
   const StateCacheLayout& l = p.cache;
   const int H = l.dims.heads, G = l.dims.key_heads, T = k.T;
   const int xrec = k.hpc * k.P;  // elements of one record's x in this block
-  const int nrec = k.w + T;
+  const int nrec = kConv ? k.w : k.w + T;  // records copied
   input_t* xs = k.ptr<input_t>(k.at.x());
   input_t* Bs = k.ptr<input_t>(k.at.B());
   // Where record j's x and B come from: ring position folded + j, or window token j − w.
@@ -175,7 +179,7 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
       copy_to_shared(Bs + j * kDstate, B_of(j), kDstate * int(sizeof(input_t)));
     }
   }
-  for (int t = 0; t < T; ++t) {
+  for (int t = 0; t < T && !kConv; ++t) {
     const std::int64_t bt = std::int64_t{k.b} * T + t;
     copy_to_shared(k.ptr<input_t>(k.at.C()) + t * kDstate,
                    static_cast<const input_t*>(p.C) + (bt * G + k.g) * kDstate,
@@ -189,9 +193,18 @@ __device__ void issue_staging(const Params& p, const Block& k, std::uint32_t fol
     }
   }
   cp_async_commit();
+  if constexpr (kConv) {  // the window's x (this block's heads), B and C (the group's), while copies fly
+    const int N = kDstate;
+    conv_channels(l, p.conv, p.layer, k.slot, k.b, T, committed, l.conv_vec_channel() + k.h0 * k.P,
+                  xrec, xs + k.w * xrec, xrec);
+    conv_channels(l, p.conv, p.layer, k.slot, k.b, T, committed, l.conv_key_channel() + k.g * N,
+                  N, Bs + k.w * N, N);
+    conv_channels(l, p.conv, p.layer, k.slot, k.b, T, committed,
+                  l.conv_query_channel() + k.g * N, N, k.ptr<input_t>(k.at.C()), N);
+  }
   float* dts = k.ptr(k.at.dt());
   float* decay = k.ptr(k.at.decay());
-  for (int i = threadIdx.x; i < nrec * k.hpc; i += blockDim.x) {
+  for (int i = threadIdx.x; i < (k.w + T) * k.hpc; i += blockDim.x) {
     const int j = i / k.hpc, h = k.h0 + i % k.hpc;
     if (j < k.w) {
       const std::int64_t rec = l.ring_record(p.layer, k.slot, folded + j);
@@ -223,7 +236,7 @@ __device__ __forceinline__ void copy_to_global(void* gmem, const void* smem, int
 
 // Step 1b, once the staging has landed: append the window to the ring at committed + t (x of
 // this block's heads, Δ, A·Δ; B by the block holding the group's first head), and step 2.
-template <typename input_t>
+template <typename input_t, bool kConv>
 __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed) {
   const StateCacheLayout& l = p.cache;
   const int H = l.dims.heads, G = l.dims.key_heads;
@@ -245,6 +258,16 @@ __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed
     for (int hl = threadIdx.x; hl < k.hpc; hl += blockDim.x) {
       l.ring_write[rec * H + k.h0 + hl] = dts[j * k.hpc + hl];
       l.ring_decay[rec * H + k.h0 + hl] = decay[j * k.hpc + hl];
+    }
+  }
+  if constexpr (kConv) {  // the pre-conv inputs of the same channels into the conv ring
+    append_conv_channels<input_t>(l, p.conv, p.layer, k.slot, k.b, k.T, committed,
+                                  l.conv_vec_channel() + k.h0 * k.P, xrec);
+    if (k.h0 % (H / G) == 0) {
+      append_conv_channels<input_t>(l, p.conv, p.layer, k.slot, k.b, k.T, committed,
+                                    l.conv_key_channel() + k.g * kDstate, kDstate);
+      append_conv_channels<input_t>(l, p.conv, p.layer, k.slot, k.b, k.T, committed,
+                                    l.conv_query_channel() + k.g * kDstate, kDstate);
     }
   }
 
@@ -665,7 +688,7 @@ __device__ void write_outputs(const Params& p, const Block& k) {
 
 // Steps 2–4 with the state streamed from `src` (master when folding, else read copy). With
 // `early`, the read copy's first kStages tiles were queued before the staging (small batches).
-template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold>
+template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold, bool kConv>
 __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ckpt,
                     const stream_t* src, std::uint32_t committed, bool early) {
   constexpr int kS = kStages;
@@ -680,7 +703,7 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
     cp_async_wait<kS>();  // the staging group, committed before the tiles
   }
   __syncthreads();
-  prepare<input_t>(p, k, committed);
+  prepare<input_t, kConv>(p, k, committed);
 
   float c0[kPerLane] = {};
   if (k.T > 0) lane_columns<stream_t>(k.ptr(k.at.Cf()), c0);
@@ -741,7 +764,7 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   }
 }
 
-template <typename input_t, CheckpointPrecision P>
+template <typename input_t, CheckpointPrecision P, bool kConv>
 __global__ void __launch_bounds__(kReplayThreads, kReplayResidentBlocks)
     replay_kernel(const __grid_constant__ Params params) {
   using Traits = CheckpointTypes<P>;
@@ -804,14 +827,14 @@ __global__ void __launch_bounds__(kReplayThreads, kReplayResidentBlocks)
   k.out0 = k.fold ? k.w : 0;
   k.nout = (k.fold ? 0 : k.w) + k.T;
 
-  issue_staging<input_t, P>(params, k, cursor.first);
+  issue_staging<input_t, P, kConv>(params, k, cursor.first, committed);
   if (k.fold) {
-    run<input_t, P, typename Traits::master_t, true>(params, k, ckpt, ckpt.master_row(0),
-                                                     committed, early);
+    run<input_t, P, typename Traits::master_t, true, kConv>(params, k, ckpt, ckpt.master_row(0),
+                                                            committed, early);
     if (threadIdx.x == 0) fold_cursor_arrive(l, params.layer, k.slot, committed, gridDim.x);
   } else {
-    run<input_t, P, typename Traits::read_t, false>(params, k, ckpt, ckpt.read_row(0),
-                                                    committed, early);
+    run<input_t, P, typename Traits::read_t, false, kConv>(params, k, ckpt, ckpt.read_row(0),
+                                                           committed, early);
   }
 }
 
@@ -883,7 +906,9 @@ Status launch(Params params, cudaStream_t stream) {
     return unsupported("mamba2 CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
                        " blocks per batch row, got " + std::to_string(l.dims.heads / hpc));
   }
-  auto* kernel = replay_kernel<input_t, P>;
+  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged.
+  auto* kernel = params.conv.in != nullptr ? replay_kernel<input_t, P, true>
+                                           : replay_kernel<input_t, P, false>;
   if (smem > 48 * 1024) {
     REPLAYSSM_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

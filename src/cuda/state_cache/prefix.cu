@@ -320,6 +320,7 @@ struct ForkParams {
   const std::int32_t* src_slots;
   const std::int32_t* dst_slots;
   const std::uint32_t* positions;
+  int conv_elem_bytes;  // the input dtype's size (conv caches)
 };
 
 // Row b's slots when the row is to be forked (both in range and allocated, distinct, the
@@ -345,12 +346,21 @@ __global__ void fork_checkpoint_kernel(const __grid_constant__ ForkParams p) {
   }
 }
 
-// Grid (record j, layer, row): record folded + j of (layer, src) onto dst's, for j < p − folded.
+// Grid (record j, layer, row): record folded + j of (layer, src) onto dst's, for j < p − folded,
+// and on conv caches the conv row of position p − 1 − j, for j < K − 1 (the window at p).
 __global__ void fork_ring_kernel(const __grid_constant__ ForkParams p) {
   int src, dst;
   if (!fork_row(p, blockIdx.z, &src, &dst)) return;
   const StateCacheLayout& l = p.cache;
   const int layer = blockIdx.y, j = blockIdx.x;
+  if (l.conv_window != nullptr && j < l.conv_kernel() - 1) {
+    const std::uint32_t pos = p.positions[blockIdx.z] - 1u - std::uint32_t(j);
+    const std::int64_t row_bytes = std::int64_t{l.conv_channels()} * p.conv_elem_bytes;
+    auto* conv = static_cast<char*>(l.conv_window);
+    copy_run(conv + l.conv_record(layer, dst, pos) * row_bytes,
+             conv + l.conv_record(layer, src, pos) * row_bytes, row_bytes, threadIdx.x,
+             blockDim.x);
+  }
   if (j >= prefix_records_to(l, layer, src, p.positions[blockIdx.z])) return;
   const std::uint32_t pos = l.folded[l.layer_slot(layer, src)] + std::uint32_t(j);
   for (int f = 0; f < p.ring.count; ++f) {
@@ -532,7 +542,8 @@ Status fork(StateCacheLayout& l, const ForkArgs& a, Stream s) {
   REPLAYSSM_RETURN_IF_ERROR(check_grid(l, a.batch, "state_cache_fork", false));
   const cudaStream_t stream = to_cuda(s);
   const ForkParams p{l, slot_runs(l, SlotPart::kCheckpoint), slot_runs(l, SlotPart::kRing),
-                     a.batch, a.src_slots, a.dst_slots, a.positions};
+                     a.batch, a.src_slots, a.dst_slots, a.positions,
+                     int(dtype_size(l.config.input_dtype))};
   // Enough blocks per region that each thread copies a few 16-byte words of the largest run.
   std::int64_t largest = 0;
   for (int f = 0; f < p.ckpt.count; ++f) largest = std::max(largest, p.ckpt.run[f].bytes);
@@ -543,7 +554,8 @@ Status fork(StateCacheLayout& l, const ForkArgs& a, Stream s) {
                              stream>>>(p);
     REPLAYSSM_CUDA_CHECK_LAUNCH("fork checkpoint kernel");
   }
-  fork_ring_kernel<<<dim3(l.max_history(), l.config.num_layers, a.batch), kThreads, 0, stream>>>(p);
+  const int ring_blocks = std::max(l.max_history(), l.conv_kernel() - 1);
+  fork_ring_kernel<<<dim3(ring_blocks, l.config.num_layers, a.batch), kThreads, 0, stream>>>(p);
   REPLAYSSM_CUDA_CHECK_LAUNCH("fork ring kernel");
   fork_cursor_kernel<<<blocks_for(a.batch, kCursorThreads), kCursorThreads, 0, stream>>>(p);
   REPLAYSSM_CUDA_CHECK_LAUNCH("fork cursor kernel");

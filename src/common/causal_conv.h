@@ -1,0 +1,61 @@
+#pragma once
+// The fused causal conv1d of conv caches (StateCacheConfig::conv_kernel; ops.h, ConvInputs):
+// where each tap's input comes from and how a channel's output is formed, written once for the
+// CPU decodes and the CUDA kernels' staging so that both round alike.
+
+#include <cstdint>
+
+#include "common/host_device.h"
+#include "common/numeric.h"
+#include "replayssm/ops.h"
+#include "state_cache_layout.h"
+
+namespace replayssm {
+
+/// Elements from one token's row of ConvInputs::in to the next.
+REPLAYSSM_HD std::int64_t conv_in_stride(const ConvInputs& conv, int channels) {
+  return conv.stride != 0 ? conv.stride : channels;
+}
+
+/// The input of channel c at tap i (0 = oldest) of window token t of batch row b, whose slot's
+/// committed position is `committed`: tap i reads position committed + t - (K - 1) + i, the
+/// window's own token when that is at or after `committed`, else the conv ring.
+template <typename input_t>
+REPLAYSSM_HD float conv_tap(const StateCacheLayout& l, const ConvInputs& conv, int layer,
+                            int slot, int b, int T, std::uint32_t committed, int t, int i, int c) {
+  const int channels = l.conv_channels();
+  const int d = t - (l.conv_kernel() - 1) + i;  // token offset from the window's start
+  if (d >= 0) {
+    const std::int64_t row = std::int64_t{b} * T + d;
+    return to_float(static_cast<const input_t*>(conv.in)[row * conv_in_stride(conv, channels) + c]);
+  }
+  const std::int64_t rec = l.conv_record(layer, slot, committed + std::uint32_t(d));
+  return to_float(static_cast<const input_t*>(l.conv_window)[rec * channels + c]);
+}
+
+/// One channel's output from its K taps (oldest first) and its weight row: SiLU(bias +
+/// sum_i weight[i] · tap[i]), accumulated in fp32 in tap order, rounded to the input dtype
+/// (what the decode then treats as its x, B, C or q, k, v).
+template <typename input_t, typename Tap>
+REPLAYSSM_HD input_t conv_silu(const float* weight, float bias, int K, Tap tap) {
+  float acc = bias;
+#if defined(__CUDA_ARCH__)
+#pragma unroll  // a constant K (the kernels' runs) keeps the taps in registers
+#endif
+  for (int i = 0; i < K; ++i) acc = fmaf(weight[i], tap(i), acc);
+  return from_float<input_t>(silu(acc));
+}
+
+/// Channel c of window token t after the conv.
+template <typename input_t>
+REPLAYSSM_HD input_t conv_output(const StateCacheLayout& l, const ConvInputs& conv, int layer,
+                                 int slot, int b, int T, std::uint32_t committed, int t, int c) {
+  const int K = l.conv_kernel();
+  return conv_silu<input_t>(conv.weight + std::int64_t{c} * K,
+                            conv.bias != nullptr ? conv.bias[c] : 0.0f, K, [&](int i) {
+                              return conv_tap<input_t>(l, conv, layer, slot, b, T, committed, t,
+                                                       i, c);
+                            });
+}
+
+}  // namespace replayssm
