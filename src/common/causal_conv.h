@@ -33,16 +33,12 @@ REPLAYSSM_HD float conv_tap(const StateCacheLayout& l, const ConvInputs& conv, i
   return to_float(static_cast<const input_t*>(l.conv_window)[rec * channels + c]);
 }
 
-/// One channel's output from its K taps (oldest first) and its weight row: SiLU(bias +
-/// sum_i weight[i] · tap[i]), accumulated in fp32 in tap order, rounded to the input dtype
-/// (what the decode then treats as its x, B, C or q, k, v).
-template <typename input_t, typename Tap>
-REPLAYSSM_HD input_t conv_silu(const float* weight, float bias, int K, Tap tap) {
-  float acc = bias;
-#if defined(__CUDA_ARCH__)
-#pragma unroll  // a constant K (the kernels' runs) keeps the taps in registers
-#endif
-  for (int i = 0; i < K; ++i) acc = fmaf(weight[i], tap(i), acc);
+/// One channel's output: acc = bias, then acc = conv_step(acc, weight[i], tap i) for the K
+/// taps oldest first, then conv_finish(acc) = SiLU(acc) rounded to the input dtype (what the
+/// decode then treats as its x, B, C or q, k, v). fp32 throughout, in that order, everywhere.
+REPLAYSSM_HD float conv_step(float acc, float weight, float tap) { return fmaf(weight, tap, acc); }
+template <typename input_t>
+REPLAYSSM_HD input_t conv_finish(float acc) {
   return from_float<input_t>(silu(acc));
 }
 
@@ -51,11 +47,12 @@ template <typename input_t>
 REPLAYSSM_HD input_t conv_output(const StateCacheLayout& l, const ConvInputs& conv, int layer,
                                  int slot, int b, int T, std::uint32_t committed, int t, int c) {
   const int K = l.conv_kernel();
-  return conv_silu<input_t>(conv.weight + std::int64_t{c} * K,
-                            conv.bias != nullptr ? conv.bias[c] : 0.0f, K, [&](int i) {
-                              return conv_tap<input_t>(l, conv, layer, slot, b, T, committed, t,
-                                                       i, c);
-                            });
+  const float* w = conv.weight + std::int64_t{c} * K;
+  float acc = conv.bias != nullptr ? conv.bias[c] : 0.0f;
+  for (int i = 0; i < K; ++i) {
+    acc = conv_step(acc, w[i], conv_tap<input_t>(l, conv, layer, slot, b, T, committed, t, i, c));
+  }
+  return conv_finish<input_t>(acc);
 }
 
 }  // namespace replayssm

@@ -7,12 +7,15 @@
 // the launch writes (appends go to committed.. committed + T - 1), so blocks need no order.
 //
 // The kernels instantiate this code only for conv caches (a template flag), so the plain
-// instantiations are unchanged; as calls (__noinline__) it was slower still (super120b, bf16
-// checkpoint, batch 256: 397 µs per step against 296 inlined). Each thread takes runs of
-// kRun = 8 channels: per tap one 16-byte load of each input row (two
-// for fp32) and the run's weights as float4s, all issued before the arithmetic. One channel
-// per thread, each tap's address computed per channel, cost more than a separate conv kernel
-// (super120b, fp32 checkpoint, batch 1: 14.2 µs per step against 10.4).
+// instantiations are unchanged. Each thread takes runs of kRun = 8 channels, tap by tap: one
+// 16-byte load of each tap's input row (two for fp32), the run's weights of that tap, kRun
+// accumulators (~20 registers). Measured on the H200 (µs per step, bf16 checkpoint, batch
+// 256; docs/BENCHMARKS.md, Fused conv1d): with every tap and weight of a run loaded before the
+// arithmetic (~70 registers) the GDN kernel spilled under its cap of 64 (qwen35-4b 247 against
+// 198 tap by tap), while the Mamba-2 kernel, with 80, was faster that way (super120b 296
+// against 364); as calls (__noinline__) instead of inlined, 397 at super120b. One channel per
+// thread, each tap's address computed per channel, measured about the same as runs at
+// super120b (fp32 checkpoint, batch 1 / 64: 14.2 / 106.2 against 16.0 / 106.5).
 
 #include <cstdint>
 
@@ -56,8 +59,7 @@ __device__ __forceinline__ bool runs_aligned(const StateCacheLayout& l, const Co
   const std::int64_t stride = conv_in_stride(conv, channels);
   const auto bits = reinterpret_cast<std::uintptr_t>(conv.in) |
                     reinterpret_cast<std::uintptr_t>(l.conv_window) |
-                    reinterpret_cast<std::uintptr_t>(dst) |
-                    reinterpret_cast<std::uintptr_t>(conv.weight);
+                    reinterpret_cast<std::uintptr_t>(dst);
   return (bits & 15u) == 0 && first % kRun == 0 && n % kRun == 0 && channels % kRun == 0 &&
          stride % kRun == 0 && dst_stride % kRun == 0;
 }
@@ -86,28 +88,31 @@ __device__ __forceinline__ void conv_channels(const StateCacheLayout& l, const C
   const std::int64_t stride = conv_in_stride(conv, channels);
   const auto* in = static_cast<const input_t*>(conv.in);
   const auto* ring = static_cast<const input_t*>(l.conv_window);
+  // Tap k of window token t reads position committed + t - (K - 1) + k.
+  const auto tap_row = [&](int t, int k) -> const input_t* {
+    const int d = t - (K - 1) + k;
+    return d >= 0 ? in + (std::int64_t{b} * T + d) * stride
+                  : ring + l.conv_record(layer, slot, committed + std::uint32_t(d)) * channels;
+  };
   const int runs = n / kRun;
   for (int i = threadIdx.x; i < T * runs; i += blockDim.x) {
     const int t = i / runs, c0 = first + (i - t * runs) * kRun;
-    float taps[K][kRun];
+    // Tap by tap into kRun accumulators (~20 registers).
+    float acc[kRun];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {  // tap k reads position committed + t - (K - 1) + k
-      const int d = t - (K - 1) + k;
-      const input_t* row =
-          d >= 0 ? in + (std::int64_t{b} * T + d) * stride
-                 : ring + l.conv_record(layer, slot, committed + std::uint32_t(d)) * channels;
-      load_run(row + c0, taps[k]);
+    for (int j = 0; j < kRun; ++j) acc[j] = conv.bias != nullptr ? conv.bias[c0 + j] : 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      float v[kRun];
+      load_run(tap_row(t, k) + c0, v);
+#pragma unroll
+      for (int j = 0; j < kRun; ++j) {
+        acc[j] = conv_step(acc[j], conv.weight[std::int64_t{c0 + j} * K + k], v[j]);
+      }
     }
-    float w[kRun * K];
-    const float4* wv = reinterpret_cast<const float4*>(conv.weight + std::int64_t{c0} * K);
-#pragma unroll
-    for (int v = 0; v < kRun * K / 4; ++v) reinterpret_cast<float4*>(w)[v] = wv[v];
     alignas(16) input_t out[kRun];
 #pragma unroll
-    for (int j = 0; j < kRun; ++j) {
-      const float bias = conv.bias != nullptr ? conv.bias[c0 + j] : 0.0f;
-      out[j] = conv_silu<input_t>(w + j * K, bias, K, [&](int k) { return taps[k][j]; });
-    }
+    for (int j = 0; j < kRun; ++j) out[j] = conv_finish<input_t>(acc[j]);
     store_run(dst + t * dst_stride + (c0 - first), out);
   }
 }

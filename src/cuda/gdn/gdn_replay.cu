@@ -139,15 +139,15 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
   // Where token t's q, k and v are read: the inputs, or on a conv cache shared memory, where
   // the block convolves them first (cuda/common/conv.cuh): k and v where they are staged, q
   // into its own rows.
-  constexpr bool conv = kConv;
   auto* s_conv_q = reinterpret_cast<input_t*>(smem + p.smem.conv_q_bytes);
   if constexpr (kConv) {
-    conv_channels(l, in.conv, layer, slot, b, T, committed, l.conv_query_channel() + hk * K, K,
-                  s_conv_q, K);
-    conv_channels(l, in.conv, layer, slot, b, T, committed, l.conv_key_channel() + hk * K, K,
-                  s_key + hist * K, K);
-    conv_channels(l, in.conv, layer, slot, b, T, committed, l.conv_vec_channel() + h0 * V, G * V,
-                  s_vec + hist * p.smem.vec_stride, p.smem.vec_stride);
+    const auto convolve = [&](int first, int n, input_t* dst, int dst_stride) {
+      conv_channels(l, in.conv, layer, slot, b, T, committed, first, n, dst, dst_stride);
+    };
+    convolve(l.conv_query_channel() + hk * K, K, s_conv_q, K);
+    convolve(l.conv_key_channel() + hk * K, K, s_key + hist * K, K);
+    convolve(l.conv_vec_channel() + h0 * V, G * V, s_vec + hist * p.smem.vec_stride,
+             p.smem.vec_stride);
     if (append) {
       append_conv_channels<input_t>(l, in.conv, layer, slot, b, T, committed,
                                     l.conv_query_channel() + hk * K, K);
@@ -159,7 +159,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
     __syncthreads();
   }
   const auto qk_of = [&](bool is_key, int t) -> const input_t* {
-    if (conv) return is_key ? s_key + (hist + t) * K : s_conv_q + t * K;
+    if (kConv) return is_key ? s_key + (hist + t) * K : s_conv_q + t * K;
     const std::int64_t bt = std::int64_t{b} * T + t;
     return static_cast<const input_t*>(is_key ? in.k : in.q) + (bt * Hk + hk) * K;
   };
@@ -205,7 +205,7 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
     const int t = i / n;
     const int e = i - t * n;
     const input_t x =
-        conv ? s_vec[(hist + t) * p.smem.vec_stride + e]
+        kConv ? s_vec[(hist + t) * p.smem.vec_stride + e]
              : static_cast<const input_t*>(in.v)[((std::int64_t{b} * T + t) * Hv + h0) * V + e];
     s_vec[(hist + t) * p.smem.vec_stride + e] = x;
     if (append) {
