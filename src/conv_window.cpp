@@ -3,25 +3,12 @@
 #include <cstring>
 
 #include "backend.h"
+#include "common/activation_types.h"
 #include "common/causal_conv.h"
 
 namespace replayssm {
 
 namespace {
-
-// Calls f(T{}) with T the C++ type of an activation dtype.
-template <typename F>
-void with_activation_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kF32: f(float{}); return;
-    case DType::kBF16: f(bf16_t{}); return;
-    case DType::kF16: f(f16_t{}); return;
-    case DType::kF8E4M3:  // never an activation dtype (refused at cache creation)
-    case DType::kU8:
-    case DType::kU32:
-      return;
-  }
-}
 
 std::size_t conv_row_bytes(const StateCacheLayout& l) {
   return std::size_t(l.conv_channels()) * dtype_size(l.config.input_dtype);
@@ -53,6 +40,10 @@ Status copy_bytes(Device device, void* dst, const void* src, std::size_t bytes, 
 }
 
 }  // namespace
+
+std::size_t conv_window_bytes(const StateCacheLayout& l) {
+  return std::size_t(l.conv_kernel() - 1) * conv_row_bytes(l);
+}
 
 Status write_conv_window(StateCacheLayout& l, int layer, int slot, std::uint32_t end,
                          const void* rows, Stream stream) {

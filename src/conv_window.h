@@ -14,6 +14,9 @@
 
 namespace replayssm {
 
+/// Bytes of one layer's window outside the cache: [K - 1, conv_channels] in the input dtype.
+std::size_t conv_window_bytes(const StateCacheLayout& l);
+
 /// The K - 1 conv rows before position `end` of (layer, slot): written from `rows`, or read
 /// into `rows` ([K - 1, conv_channels] in the input dtype, oldest first; host memory, or for a
 /// CUDA cache also device memory). Synchronise the stream on CUDA caches.

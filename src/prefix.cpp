@@ -268,12 +268,10 @@ Status state_cache_restore(StateCache& cache, const RestoreArgs& args, Stream st
       },
       [&] { return cuda::restore(l, args, stream); }));
   if (args.conv_window == nullptr) return Status::ok();
-  const std::size_t window_bytes = std::size_t(l.conv_kernel() - 1) *
-                                   std::size_t(l.conv_channels()) *
-                                   dtype_size(l.config.input_dtype);
   const std::uint32_t end = args.position + std::uint32_t(args.records.count);
   for (int layer = 0; layer < l.config.num_layers; ++layer) {
-    const auto* window = static_cast<const char*>(args.conv_window) + layer * window_bytes;
+    const auto* window =
+        static_cast<const char*>(args.conv_window) + layer * conv_window_bytes(l);
     REPLAYSSM_RETURN_IF_ERROR(write_conv_window(l, layer, args.slot, end, window, stream));
   }
   return Status::ok();
