@@ -71,18 +71,14 @@ REPLAYSSM_HD void share_checkpoint(const StateCacheLayout& l, int layer, int src
   std::uint32_t* source = l.ckpt_source + l.layer_slot(layer, dst);
   std::uint32_t* owner_count = l.ckpt_borrowers + l.layer_slot(layer, owner);
 #if defined(__CUDA_ARCH__)
-  const std::uint32_t before = atomicExch(source, std::uint32_t(owner) + 1);
+  const int before = l.lender_slot(atomicExch(source, std::uint32_t(owner) + 1));
   atomicAdd(owner_count, 1u);
-  if (before != 0 && before <= std::uint32_t(l.config.capacity)) {
-    atomicSub(l.ckpt_borrowers + l.layer_slot(layer, int(before) - 1), 1u);
-  }
+  if (before >= 0) atomicSub(l.ckpt_borrowers + l.layer_slot(layer, before), 1u);
 #else
-  const std::uint32_t before = *source;
+  const int before = l.lender_slot(*source);
   *source = std::uint32_t(owner) + 1;
   ++*owner_count;
-  if (before != 0 && before <= std::uint32_t(l.config.capacity)) {
-    --l.ckpt_borrowers[l.layer_slot(layer, int(before) - 1)];
-  }
+  if (before >= 0) --l.ckpt_borrowers[l.layer_slot(layer, before)];
 #endif
 }
 

@@ -121,8 +121,13 @@ struct StateCacheLayout {
   /// corrupt source past the slots reads as the slot's own.
   REPLAYSSM_HD int checkpoint_owner(int layer, int slot) const {
     if (ckpt_source == nullptr) return slot;
-    const std::uint32_t s = ckpt_source[layer_slot(layer, slot)];
-    return s != 0 && s <= std::uint32_t(config.capacity) ? int(s - 1) : slot;
+    const int lender = lender_slot(ckpt_source[layer_slot(layer, slot)]);
+    return lender >= 0 ? lender : slot;
+  }
+  /// The slot a ckpt_source entry names (entries hold slot + 1; 0 = not borrowing), or -1 for
+  /// 0 and for a corrupt entry past the slots. The one decoding of the entries.
+  REPLAYSSM_HD int lender_slot(std::uint32_t source) const {
+    return source != 0 && source <= std::uint32_t(config.capacity) ? int(source - 1) : -1;
   }
   /// checkpoint_owner's index among the [layer][slot] regions of the checkpoint buffers.
   REPLAYSSM_HD std::int64_t checkpoint_region(int layer, int slot) const {

@@ -29,6 +29,18 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+/// Asks for `bytes` of global memory to be brought into L2 (one bulk request, sm_90+; nothing
+/// on older GPUs): bytes in flight that hold neither registers nor shared memory. Address and
+/// length must be multiples of 16 bytes.
+__device__ __forceinline__ void prefetch_l2(const void* gmem, std::uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
+#else
+  (void)gmem;
+  (void)bytes;
+#endif
+}
+
 /// Copies `bytes` from global to shared memory with the whole block (each thread takes every
 /// blockDim.x-th piece). 16-byte cp.async when both ends and the length are 16-byte aligned;
 /// otherwise plain 4- or 2-byte copies, which are complete when this returns (odd shapes in

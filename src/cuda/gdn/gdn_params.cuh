@@ -55,6 +55,17 @@ constexpr int kMinRowSplits = 1;
 /// so the order cannot shorten the step, and the read copy's prefetch, issued before the
 /// cursors at small batch, would have to wait for the order's cursor pass.
 constexpr int kFoldFirstMinBatch = 32;
+/// With an fp32 read copy (16 passes of one row per thread) and from this batch, a replay CTA
+/// also requests its next kL2PrefetchPasses passes into L2 (one bulk prefetch each, issued by
+/// one thread: bytes in flight that take neither registers nor shared memory, which bound every
+/// other way of adding them). qwen35-4b, L = 16, staggered, µs per step, none → 2 passes (4:
+/// slower everywhere), two rounds in one call: batch 256 fp32 176.6 → 171.2, spec T = 4 fp32
+/// 341.1 → 329.8, batch 1024 fp32 692 → 692; bf16 read copies gained nothing clear (256:
+/// 139.9 → 139.5, spec 366.8 → 370.2, 1024: 554 → 543) and batch 64 lost (fp32 55.7 → 57.7,
+/// bf16 48.5 → 51.1). Mamba-2's tiles, prefetched the same way, measured slower (up to +4%).
+/// docs/BENCHMARKS_CUDA_GDN.md, "L2 prefetch".
+constexpr int kL2PrefetchPasses = 2;
+constexpr int kL2PrefetchMinBatch = 256;
 /// Bytes of the read copy each thread has in flight per pass (fp32: 1 row, bf16 2, fp8 4).
 constexpr int kReplayRowBytes = 64;
 constexpr int kWarps = kThreads / 32;
@@ -174,6 +185,7 @@ struct ReplayParams {
   int records = 0;     ///< staged ring records a CTA has room for: history + window
   bool vec_async = false;  ///< ring v records of G heads are 16-byte aligned runs (cp.async)
   bool fold_first = false;  ///< serve the rows whose fold is due first (fold_order.cuh)
+  int l2_passes = 0;  ///< passes of the read copy requested into L2 ahead (kL2PrefetchPasses)
   RowTiling tiling;
   ReplaySmem smem;
 };

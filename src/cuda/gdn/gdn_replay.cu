@@ -27,8 +27,10 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "backend.h"
+#include "cuda/common/async_copy.cuh"
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/checkpoint.cuh"
@@ -368,6 +370,16 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     }
   };
   if (T > 0) load_pass(row_begin);
+  // Where it pays (gdn_params.cuh, kL2PrefetchPasses), the passes after it are requested into
+  // L2 ahead of their loads, l2_passes ahead, by one thread.
+  constexpr int kPassRows = kRowGroups * kRows;
+  const auto prefetch_pass = [&](int base) {
+    if (threadIdx.x == 0 && base < row_end) {
+      prefetch_l2(ck.read_row(base),
+                  std::uint32_t(min(kPassRows, row_end - base) * K * int(sizeof(read_t))));
+    }
+  };
+  for (int m = 1; m <= p.l2_passes; ++m) prefetch_pass(row_begin + m * kPassRows);
 
   // Cursors, all three loads in flight together.
   const bool allocated = slot_allocated(l, slot);
@@ -411,7 +423,10 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     // (base, not a lane's own row): the row reductions shuffle over full warps, so a lane
     // whose rows lie past the end still runs the pass, on zeros.
     for (int base = row_begin; base < row_end; base += kRowGroups * kRows) {
-      if (base != row_begin) load_pass(base);
+      if (base != row_begin) {
+        load_pass(base);
+        if (p.l2_passes > 0) prefetch_pass(base + p.l2_passes * kPassRows);
+      }
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
         const int r = base + rg + u * kRowGroups;
@@ -437,6 +452,13 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   using MasterFrag = typename Split::template Fragment<master_t, read_t>;
   for (int base = row_begin; base < row_end; base += kRowGroups * kFoldRows) {
     const int r0 = base + rg;
+    // A fold's next pass of the master, likewise (its replay of the history hides the wait).
+    if (p.l2_passes > 0 && threadIdx.x == 0 && base + kRowGroups * kFoldRows < row_end) {
+      const int next = base + kRowGroups * kFoldRows;
+      prefetch_l2(ck.master_row(next),
+                  std::uint32_t(min(kRowGroups * kFoldRows, row_end - next) * K *
+                                int(sizeof(master_t))));
+    }
     float s[kFoldRows][kPerLane];
     int row[kFoldRows], h[kFoldRows];
 #pragma unroll
@@ -512,6 +534,10 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   p.tiling = row_tiling(batch, p.cache.dims.key_heads, group_rows,
                         kRowGroups * kOutputRows<read_t>, limits.sms, min_splits);
   p.fold_first = use_fold_first(batch, p.num_tokens, fold_first_min_batch);
+  static const int l2_passes = tuning_value("REPLAYSSM_TUNE_GDN_L2_PASSES", kL2PrefetchPasses);
+  static const int l2_min_batch =
+      tuning_value("REPLAYSSM_TUNE_GDN_L2_MIN_BATCH", kL2PrefetchMinBatch);
+  p.l2_passes = std::is_same_v<read_t, float> && batch >= l2_min_batch ? l2_passes : 0;
   const int blocks_per_row = p.cache.dims.key_heads * p.tiling.splits;
   if (blocks_per_row > kMaxFoldBlocks) {
     return unsupported("gdn CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +

@@ -75,7 +75,6 @@ __global__ void __launch_bounds__(kThreads) release_kernel(const __grid_constant
     return;
   }
   const std::int64_t ls = l.layer_slot(layer, slot);
-  const auto capacity = std::uint32_t(l.config.capacity);
   const std::uint32_t mine = std::uint32_t(slot) + 1;  // how a borrower names this slot
   const std::uint32_t source = l.ckpt_source[ls];
   const bool lends = l.ckpt_borrowers[ls] != 0;
@@ -92,10 +91,8 @@ __global__ void __launch_bounds__(kThreads) release_kernel(const __grid_constant
   if (threadIdx.x != 0) return;
   __threadfence();
   if (source != 0 && release_drops_borrow(p.args)) {
-    const std::uint32_t before = atomicExch(l.ckpt_source + ls, 0u);
-    if (before != 0 && before <= capacity) {
-      atomicSub(l.ckpt_borrowers + l.layer_slot(layer, int(before) - 1), 1u);
-    }
+    const int before = l.lender_slot(atomicExch(l.ckpt_source + ls, 0u));
+    if (before >= 0) atomicSub(l.ckpt_borrowers + l.layer_slot(layer, before), 1u);
   }
   if (lends) {
     for (int x = 0; x < l.config.capacity; ++x) {

@@ -252,9 +252,7 @@ Status export_state(StateCacheLayout& l, int layer, int slot, float* state, Stre
     if (l.ckpt_source != nullptr) {
       std::uint32_t source = 0;
       REPLAYSSM_RETURN_IF_ERROR(copy_sync(&source, l.ckpt_source + ls, 4, stream));
-      if (source != 0 && source <= std::uint32_t(l.config.capacity)) {
-        region = l.layer_slot(layer, int(source) - 1);
-      }
+      if (l.lender_slot(source) >= 0) region = l.layer_slot(layer, l.lender_slot(source));
     }
     if (l.ckpt.has_hi) {
       REPLAYSSM_RETURN_IF_ERROR(copy_sync(host.data(), l.ckpt_hi + region * n, n * 4, stream));
