@@ -46,6 +46,11 @@ struct BenchOptions {
   std::vector<std::string> shapes = {"nano4b", "super120b", "qwen35-4b", "qwen35-122b"};
   std::vector<int> batches = {16, 64};
   int buffer_len = 16;  ///< L
+  /// SSM layers of one cache decoded per step, then one commit (CUDA): a model's step commits
+  /// once for all its layers, so the protocol's 1 layer charges a whole commit to every layer
+  /// step, which at small batches is a large part of it. Times are then per layer step; the
+  /// slot rotation counts every layer's state.
+  int layers = 1;
   /// Replay checkpoint precisions, each measured against the same eager baseline.
   std::vector<CheckpointPrecision> checkpoints = {CheckpointPrecision::kFp32};
   DType eager_state_dtype = DType::kF32;
@@ -76,6 +81,7 @@ struct BenchResult {
   int buffer_len = 0;
   FlushPattern flush = FlushPattern::kAligned;
   int slot_groups = 1;       ///< groups of `batch` slots rotated step by step
+  int layers = 1;            ///< layers decoded per step (BenchOptions::layers)
   /// CPU: bytes of eager state the rotation covers (slot_groups × batch × state), which every
   /// case's cache holds in its own format; 0 elsewhere.
   double stream_bytes = 0.0;

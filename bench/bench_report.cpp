@@ -76,6 +76,14 @@ void protocol_print(const BenchReport& report, std::FILE* out) {
       "flush    aligned: every row folds on the same step of the cycle; staggered: 1/L of the\n"
       "         rows fold on each step\n",
       report.peak_gbps());
+  int layers = 1;
+  for (const BenchResult& r : report.results) layers = std::max(layers, r.layers);
+  if (layers > 1) {
+    std::fprintf(out,
+                 "layers   %d layers of one cache decoded per step, then one commit, as a model "
+                 "steps:\n         us/step and MB/step are per layer step\n",
+                 layers);
+  }
   if (streams) {
     std::fprintf(out,
                  "xLLC     state the case cycles through (slot groups x batch x state) over the "
@@ -173,6 +181,7 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                      {"buffer_len", r.buffer_len},
                      {"flush", flush_pattern_name(r.flush)},
                      {"slot_groups", r.slot_groups},
+                     {"layers", r.layers},
                      {"stream_bytes", r.stream_bytes},
                      {"us_per_step_median", r.us_per_step},
                      {"us_per_step_min", r.us_min},

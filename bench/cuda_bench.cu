@@ -155,11 +155,12 @@ Status make_inputs(const BenchShape& shape, int batch, int T, DType act, Inputs*
 class CaseRunner {
  public:
   // Everything the runner does is ordered on `stream`.
-  CaseRunner(int batch, int groups, const Inputs& inputs, cudaStream_t stream)
-      : batch_(batch), groups_(groups), in_(inputs), stream_(stream) {}
+  CaseRunner(int batch, int groups, int layers, const Inputs& inputs, cudaStream_t stream)
+      : batch_(batch), groups_(groups), layers_(layers), in_(inputs), stream_(stream) {}
 
   Status init(StateCacheConfig config, int window, int accepted) {
     window_ = window;
+    config.num_layers = layers_;
     config.capacity = batch_ * groups_;
     config.device = Device::kCuda;
     REPLAYSSM_RETURN_IF_ERROR(state_cache_create(config, &cache_, stream_));
@@ -219,6 +220,7 @@ class CaseRunner {
   }
 
  private:
+  // One step of one slot group: every layer's decode, then the commit.
   Status step(const std::int32_t* ids, int set) {
     const std::size_t s = std::size_t(set);
     Mamba2DecodeArgs a;
@@ -233,7 +235,9 @@ class CaseRunner {
     a.D = in_.D.get<const float>();
     a.dt_bias = in_.dt_bias.get<const float>();
     a.y = in_.out.get();
-    REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a, stream_));
+    for (a.layer = 0; a.layer < layers_; ++a.layer) {
+      REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a, stream_));
+    }
     CommitArgs c;
     c.batch = batch_;
     c.slot_ids = ids;
@@ -241,7 +245,7 @@ class CaseRunner {
     return state_cache_commit(*cache_, c, stream_);
   }
 
-  int batch_, groups_;
+  int batch_, groups_, layers_;
   int window_ = 1;
   const Inputs& in_;
   cudaStream_t stream_;
@@ -277,8 +281,8 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   // An eager window's step touches every state copy of its rows (one read, T writes).
   const int copies = cs.mode == DecodeMode::kEager ? eager_state_copies(cs.window) : 1;
   const int groups = slot_groups(
-      copies * read_bytes_per_row(shape, cs.mode, cs.checkpoint, o.eager_state_dtype), batch,
-      min_state_bytes);
+      copies * o.layers * read_bytes_per_row(shape, cs.mode, cs.checkpoint, o.eager_state_dtype),
+      batch, min_state_bytes);
   StateCacheConfig config;
   config.kind = shape.kind;
   config.mamba2 = shape.mamba2;
@@ -292,7 +296,7 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   config.share_forked_checkpoints = o.share_forked_checkpoints && cs.mode == DecodeMode::kReplay;
   OwnedStream stream;
   REPLAYSSM_RETURN_IF_ERROR(stream.create());
-  CaseRunner runner(batch, groups, inputs, stream.s);
+  CaseRunner runner(batch, groups, o.layers, inputs, stream.s);
   REPLAYSSM_RETURN_IF_ERROR(runner.init(config, cs.window, cs.accepted));
   if (o.flush == FlushPattern::kStaggered && cs.mode == DecodeMode::kReplay) {
     REPLAYSSM_RETURN_IF_ERROR(runner.stagger(o.buffer_len));
@@ -307,7 +311,7 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   REPLAYSSM_RETURN_IF_ERROR(time_graph(exec, stream.s, std::max(o.warmup_cycles, 1),
                                        std::max(o.repetitions, kMinRepetitions), &us));
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  for (double& u : us) u /= double(steps) * groups;
+  for (double& u : us) u /= double(steps) * groups * o.layers;
   r->shape = shape.name;
   r->batch = batch;
   r->mode = cs.mode;
@@ -315,6 +319,7 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   r->buffer_len = o.buffer_len;
   r->flush = o.flush;
   r->slot_groups = groups;
+  r->layers = o.layers;
   r->us_per_step = median(us);
   r->us_min = *std::min_element(us.begin(), us.end());
   return Status::ok();
@@ -329,6 +334,7 @@ Status validate(const BenchOptions& o) {
     if (b < 1) return invalid_argument("batch sizes must be >= 1");
   }
   if (o.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
+  if (o.layers < 1) return invalid_argument("layers must be >= 1");
   if (!cuda_available()) return unsupported("bench --device cuda: no CUDA GPU present");
   return Status::ok();
 }
@@ -421,6 +427,7 @@ Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted
   std::size_t done = 0;
   BenchOptions o = options;
   o.flush = FlushPattern::kAligned;
+  o.layers = 1;  // a window of one layer, as the spec tables report it
   for (const std::string& name : options.shapes) {
     const BenchShape& shape = *bench_shape_find(name);
     for (int batch : options.batches) {

@@ -274,8 +274,8 @@ int slot_groups(const GdnShape& s, int batch, std::size_t bytes_per_elem,
     (void)cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
     min_bytes = 4 * std::int64_t(l2 > 0 ? l2 : 50 << 20);
   }
-  const std::int64_t group =
-      state_dims(s).state_elems() * batch * static_cast<std::int64_t>(bytes_per_elem);
+  const std::int64_t group = state_dims(s).state_elems() * batch * options.layers *
+                            static_cast<std::int64_t>(bytes_per_elem);
   return int(std::max<std::int64_t>(1, (min_bytes + group - 1) / group));
 }
 
@@ -283,7 +283,7 @@ int slot_groups(const GdnShape& s, int batch, std::size_t bytes_per_elem,
 }  // namespace
 
 Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
-                          BenchReport* report, int layers) {
+                          BenchReport* report) {
   if (shape.kind != LayerKind::kGdn) return invalid_argument("run_cuda_bench_gdn: not a GDN shape");
   const double cases = double(options.batches.size() * (1 + options.checkpoints.size()));
   int done = 0;
@@ -292,7 +292,7 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
       CaseConfig c;
       c.shape = shape.gdn;
       c.batch = batch;
-      c.layers = layers;
+      c.layers = options.layers;
       c.buffer_len = options.buffer_len;
       c.cycle_steps = options.buffer_len;
       c.mode = mode;
@@ -317,6 +317,7 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
       r.buffer_len = options.buffer_len;
       r.flush = options.flush;
       r.slot_groups = c.groups;
+      r.layers = c.layers;
       report->results.push_back(r);
       return Status::ok();
     };

@@ -16,11 +16,11 @@
 namespace replayssm {
 
 /// Per batch of options.batches: our eager kernel (options.eager_state_dtype) and replay in
-/// each of options.checkpoints; each step is one decode of `layers` layers plus one commit
-/// (the protocol's 1 layer puts a whole commit on every layer step; more layers amortise it
-/// as a model does). Appends timings to report->results; bench_finish fills the rest.
+/// each of options.checkpoints; each step is one decode of options.layers layers plus one
+/// commit (BenchOptions::layers). Appends timings to report->results; bench_finish fills the
+/// rest.
 Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
-                          BenchReport* report, int layers = 1);
+                          BenchReport* report);
 
 /// Speculative decoding with T-token windows, µs per verify step of one layer:
 ///   replay: one decode verifying T tokens (every output from the unchanged checkpoint), then a

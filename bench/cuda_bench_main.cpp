@@ -11,7 +11,7 @@
 //                        [--L 8,16,32] [--flush staggered,aligned]
 //                        [--checkpoints fp32,bf16,fp32+bf16,fp32+fp8]
 //                        [--spec-window 4] [--spec-accepted 4] [--spec-batches 64,256]
-//                        [--reps 7] [--json out.json]
+//                        [--reps 7] [--layers 1] [--json out.json]
 
 #include <CLI/CLI.hpp>
 
@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> flushes = {"staggered", "aligned"};
   std::vector<std::string> checkpoints = {"fp32", "bf16", "fp32+bf16", "fp32+fp8"};
   std::vector<int> spec_batches = {64, 256};
-  int spec_window = 4, spec_accepted = 4, reps = 7;
+  int spec_window = 4, spec_accepted = 4, reps = 7, layers = 1;
   std::string json;
   app.add_option("--shapes", shapes, "Layer shapes")->delimiter(',');
   app.add_option("--batches", batches, "Batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
@@ -57,6 +57,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 8));
   app.add_option("--spec-batches", spec_batches, "Batch sizes of the comparison")->delimiter(',');
   app.add_option("--reps", reps, "Timed repetitions (median)")->check(CLI::Range(1, 1000));
+  app.add_option("--layers", layers,
+                 "Layers decoded per step before its one commit (times per layer step; the "
+                 "speculative comparison stays at one layer)")
+      ->check(CLI::Range(1, 256));
   app.add_option("--json", json, "Write all results as JSON");
   bool share = false;
   app.add_flag("--share-forked-checkpoints", share,
@@ -68,6 +72,7 @@ int main(int argc, char** argv) {
   o.shapes = shapes;
   o.batches = batches;
   o.repetitions = reps;
+  o.layers = layers;
   o.share_forked_checkpoints = share;
   o.checkpoints.clear();
   for (const std::string& c : checkpoints) {
