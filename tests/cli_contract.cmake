@@ -41,6 +41,8 @@ replayssm_cli_check(run_spec_tokens_range error TIMEOUT 10
   MATCH "--spec-tokens \\(-T\\) must be in \\[1, 64\\], got 100" ARGS ${cli_run} -T 100)
 replayssm_cli_check(bench_buffer_len_range error TIMEOUT 10
   MATCH "--buffer-len \\(-L\\) must be in \\[1, 4096\\], got 5000" ARGS bench --device cpu -L 5000)
+replayssm_cli_check(bench_layers_cpu error TIMEOUT 10
+  MATCH "layers per step other than 1: the CUDA bench only" ARGS bench --device cpu --layers 2)
 replayssm_cli_check(bench_batch_range error TIMEOUT 10
   MATCH "--batch must be in \\[1, [0-9]+\\], got 0" ARGS bench --device cpu --batch 16,0)
 replayssm_cli_check(demo_buffer_len_range error TIMEOUT 10

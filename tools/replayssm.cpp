@@ -251,6 +251,7 @@ struct BenchArgs {
   std::string flush = "staggered";  // the serving case: rows fold on different steps
   std::string eager_state = "f32";
   int repetitions = 3;
+  int layers = 1;
   double min_state_mb = 0.0;
   int spec_tokens = 1;
   int spec_accepted = 0;
@@ -291,6 +292,13 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   a.ranges.add(bench->add_option("--buffer-len,-L", a.buffer_len, "Tokens per fold cycle")
                    ->capture_default_str(),
                &a.buffer_len, 1, kMaxBufferLen);
+  a.ranges.add(bench
+                   ->add_option("--layers", a.layers,
+                                "Layers of one cache decoded per step before its one commit, as a "
+                                "model steps; times are per layer step (the speculative comparison: one "
+                                "layer). cuda only")
+                   ->capture_default_str(),
+               &a.layers, 1, 256);
   a.checkpoint_option = bench
                             ->add_option("--checkpoint", a.checkpoints,
                                          "Replay checkpoint precisions, comma-separated")
@@ -373,6 +381,7 @@ int do_bench(BenchArgs& a) {
   o.flush = kFlushPatterns.at(a.flush);
   o.eager_state_dtype = kActivationDTypes.at(a.eager_state);
   o.repetitions = a.repetitions;
+  o.layers = a.layers;
   o.min_state_bytes = static_cast<std::int64_t>(a.min_state_mb * 1e6);
   if (!a.full && a.min_state_option->count() == 0) {
     o.memory_budget_bytes = bench_quick_memory_budget();
