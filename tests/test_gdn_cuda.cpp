@@ -98,7 +98,7 @@ std::vector<SideCase> side_cases() {
   wide.stagger = 1;
   wide.qk_l2norm = false;
   out.push_back(wide);
-  testing::add_real_shape_cases({qwen4b, qwen122b}, {kF32, kBF16}, qwen4b, &out);
+  testing::add_real_shape_cases({qwen4b, qwen122b}, {kF32, kBF16}, &out);
   return out;
 }
 

@@ -93,7 +93,7 @@ std::vector<SideCase> side_cases() {
     testing::add_eager_cases(s, {kF32}, {kF32, kBF16, kF16}, &out);
     testing::add_replay_cases(s, s, {kF32, kBF16}, {kF32}, &out);
   }
-  testing::add_real_shape_cases({nano4b, super120b}, {kF32}, super120b, &out);
+  testing::add_real_shape_cases({nano4b, super120b}, {kF32}, &out);
   return out;
 }
 

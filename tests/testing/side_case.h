@@ -179,12 +179,12 @@ void add_replay_cases(const NamedShape<Shape>& plain_shape, const NamedShape<Sha
 }
 
 /// The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps;
-/// eager in each of `eager_states`, replay in every precision, and a T = 4 verify on
-/// `spec_shape` in fp32+bf16.
+/// eager in each of `eager_states`, replay in every precision, and a T = 4 verify in
+/// fp32+bf16.
 template <typename Shape>
 void add_real_shape_cases(std::initializer_list<NamedShape<Shape>> shapes,
                           std::initializer_list<DType> eager_states,
-                          const NamedShape<Shape>& spec_shape, std::vector<SideCase<Shape>>* out) {
+                          std::vector<SideCase<Shape>>* out) {
   for (const NamedShape<Shape>& s : shapes) {
     for (DType state : eager_states) {
       SideCase<Shape> eager{s.name, s.shape, DecodeMode::kEager};
@@ -206,17 +206,19 @@ void add_real_shape_cases(std::initializer_list<NamedShape<Shape>> shapes,
       c.stagger = 5;
       out->push_back(c);
     }
+    // A verify window at every real shape: its staging (ring records of L − 1 + T tokens of
+    // every head of a key head) is the largest a shape asks for.
+    SideCase<Shape> spec{s.name, s.shape, DecodeMode::kReplay};
+    spec.checkpoint = CheckpointPrecision::kFp32Bf16;
+    spec.input = DType::kBF16;
+    spec.buffer_len = 16;
+    spec.window = 4;
+    spec.layers = 1;
+    spec.batch = 2;
+    spec.steps = 64;
+    spec.stagger = 3;
+    out->push_back(spec);
   }
-  SideCase<Shape> spec{spec_shape.name, spec_shape.shape, DecodeMode::kReplay};
-  spec.checkpoint = CheckpointPrecision::kFp32Bf16;
-  spec.input = DType::kBF16;
-  spec.buffer_len = 16;
-  spec.window = 4;
-  spec.layers = 1;
-  spec.batch = 2;
-  spec.steps = 64;
-  spec.stagger = 3;
-  out->push_back(spec);
 }
 
 }  // namespace replayssm::testing

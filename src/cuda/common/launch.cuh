@@ -32,6 +32,20 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+/// Lets `kernel` launch with `dynamic_bytes` of dynamic shared memory. A block may take 48 KB
+/// without opting in, its static shared memory included (the replay kernels have some:
+/// fold_order.cuh), so the opt-in is decided on the sum; below it the driver call is skipped.
+template <typename Params>
+Status allow_dynamic_smem(void (*kernel)(Params), int dynamic_bytes, const char* name) {
+  constexpr int kSmemWithoutOptIn = 48 * 1024;
+  cudaFuncAttributes attributes{};
+  REPLAYSSM_RETURN_IF_ERROR(cuda_status(cudaFuncGetAttributes(&attributes, kernel), name));
+  if (int(attributes.sharedSizeBytes) + dynamic_bytes <= kSmemWithoutOptIn) return Status::ok();
+  return cuda_status(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_bytes),
+      name);
+}
+
 /// kernel<<<grid, block, smem, stream>>>(params) as a programmatic dependent launch.
 template <typename Params>
 Status launch_programmatic(void (*kernel)(Params), dim3 grid, dim3 block, int smem,

@@ -16,6 +16,7 @@
 #include "cuda/families.h"
 #include "cuda/gdn/gdn_launch.h"
 #include "cuda/gdn/gdn_params.cuh"
+#include "cuda/state_cache/fold_order.cuh"
 
 namespace replayssm::cuda {
 
@@ -36,7 +37,7 @@ Status uses_generic_kernels(const StateCacheConfig& c, bool* generic) {
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
   // The widest window needs the most staging.
-  *generic = replay_smem(c, c.max_spec_tokens).bytes > limits.smem_per_block;
+  *generic = replay_smem(c, c.max_spec_tokens).bytes > replay_smem_budget(limits);
   return Status::ok();
 }
 

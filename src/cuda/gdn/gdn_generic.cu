@@ -19,6 +19,7 @@
 #include "cuda/common/cache.cuh"
 #include "cuda/common/check.cuh"
 #include "cuda/common/dispatch.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/gdn/gdn_launch.h"
 #include "cuda/state_cache/cursors.cuh"
 
@@ -415,10 +416,7 @@ Status launch_generic(StateCacheLayout& l, const ReplayWork& work, cudaStream_t 
     }
     const int smem = generic_smem_bytes(c, p.num_tokens);
     auto kernel = generic_replay_kernel<input_t>;
-    if (smem > 48 * 1024) {
-      REPLAYSSM_CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    }
+    REPLAYSSM_RETURN_IF_ERROR(allow_dynamic_smem(kernel, smem, "gdn generic replay kernel"));
     kernel<<<grid, kGenericThreads, smem, stream>>>(p);
     REPLAYSSM_CUDA_CHECK_LAUNCH("gdn generic replay kernel");
     return Status::ok();

@@ -547,10 +547,7 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   // Conv caches' decodes take their own instantiation, so that the plain one is unchanged.
   auto kernel = p.in.conv.in != nullptr ? gdn_replay_kernel<input_t, P, true>
                                         : gdn_replay_kernel<input_t, P, false>;
-  if (p.smem.bytes > 48 * 1024) {
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem.bytes));
-  }
+  REPLAYSSM_RETURN_IF_ERROR(allow_dynamic_smem(kernel, p.smem.bytes, "gdn_replay_kernel"));
   return launch_programmatic(kernel, grid, dim3(kThreads), p.smem.bytes, stream, p,
                              "gdn_replay_kernel");
 }

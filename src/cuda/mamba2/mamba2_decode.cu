@@ -14,6 +14,7 @@
 #include "cuda/common/stream.cuh"
 #include "cuda/families.h"
 #include "cuda/mamba2/mamba2_launch.h"
+#include "cuda/state_cache/fold_order.cuh"
 
 namespace replayssm::cuda {
 
@@ -57,11 +58,11 @@ Status can_implement(const StateCacheConfig& c) {
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
   const int smem = replay_smem(c, 1).bytes();
-  if (smem > limits.smem_per_block) {
+  if (smem > replay_smem_budget(limits)) {
     return unsupported("mamba2 CUDA replay stages buffer_len - 1 + 2·max_spec_tokens ring "
                        "records in " + std::to_string(smem) +
                        " bytes of shared memory; this GPU allows " +
-                       std::to_string(limits.smem_per_block) + " (use a shorter buffer_len)");
+                       std::to_string(replay_smem_budget(limits)) + " (use a shorter buffer_len)");
   }
   return Status::ok();
 }

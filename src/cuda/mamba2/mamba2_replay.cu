@@ -878,11 +878,12 @@ Status launch(Params params, cudaStream_t stream) {
   // Then, where `resident` > 0, fewer heads until that many blocks fit an SM's shared memory,
   // if half the heads or more remain (mamba2_params.cuh, kReplayResidentBlocks).
   const auto fitting = [&](int hpc) {
-    while (hpc > 1 && replay_smem(l.config, hpc).bytes() > limits.smem_per_block) {
+    while (hpc > 1 && replay_smem(l.config, hpc).bytes() > replay_smem_budget(limits)) {
       hpc = fewer(hpc);
     }
     int cut = hpc;
-    while (cut > 1 && resident * (replay_smem(l.config, cut).bytes() + limits.smem_reserved) >
+    while (cut > 1 && resident * (replay_smem(l.config, cut).bytes() + kFoldFirstSmemBytes +
+                                  limits.smem_reserved) >
                           limits.smem_per_sm) {
       cut = fewer(cut);
     }
@@ -910,10 +911,7 @@ Status launch(Params params, cudaStream_t stream) {
   // Conv caches' decodes take their own instantiation, so that the plain one is unchanged.
   auto* kernel = params.conv.in != nullptr ? replay_kernel<input_t, P, true>
                                            : replay_kernel<input_t, P, false>;
-  if (smem > 48 * 1024) {
-    REPLAYSSM_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
+  REPLAYSSM_RETURN_IF_ERROR(allow_dynamic_smem(kernel, smem, "mamba2 replay kernel"));
   // Shared memory over L1: three ~70 KB blocks per SM need the largest carveout.
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));

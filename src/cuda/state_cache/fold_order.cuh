@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "cuda/common/cache.cuh"
+#include "cuda/common/device_limits.cuh"
 #include "cuda/state_cache/cursors.cuh"
 #include "state_cache_layout.h"
 
@@ -31,6 +32,16 @@ namespace replayssm::cuda {
 /// Launches with more rows keep batch order: the ballot masks live in static shared memory, and
 /// with that many waves the tail is a small share of the step.
 inline constexpr int kFoldFirstMaxBatch = 4096;
+
+/// Those masks' bytes: static shared memory of every replay kernel, on top of its dynamic
+/// staging. It counts against the 48 KB a block may take without opting in
+/// (allow_dynamic_smem) and against the device's per-block limit (replay_smem_budget).
+inline constexpr int kFoldFirstSmemBytes = kFoldFirstMaxBatch / 32 * int(sizeof(std::uint32_t));
+
+/// The dynamic shared memory a replay block may take on this device.
+inline int replay_smem_budget(const DeviceLimits& limits) {
+  return limits.smem_per_block - kFoldFirstSmemBytes;
+}
 
 /// Whether a replay launch orders its rows fold-first: decodes only (an explicit fold has no
 /// reading rows), and from a batch where blocks outnumber what the GPU holds at once. Below
@@ -45,7 +56,7 @@ inline bool use_fold_first(int batch, int num_tokens, int min_batch) {
 /// (it has a barrier) before any of them returns; blockDim.x must be a multiple of 32.
 __device__ inline int fold_first_row(const StateCacheLayout& l, const std::int32_t* slot_ids,
                                      int batch, int layer, int num_tokens, int y) {
-  __shared__ std::uint32_t first_mask[kFoldFirstMaxBatch / 32];
+  __shared__ std::uint32_t first_mask[kFoldFirstSmemBytes / sizeof(std::uint32_t)];
   for (int base = 0; base < batch; base += blockDim.x) {
     const int row = base + int(threadIdx.x);
     bool first = false;
