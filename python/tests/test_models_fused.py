@@ -41,7 +41,8 @@ REAL = dict(rows=256, hidden=3136, inner=7680, groups=8, conv=9728, heads=32, he
 
 
 def err(got, ref):
-    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+    got, ref = got.detach().float(), ref.detach().float()
+    return float((got - ref).abs().max() / ref.abs().max())
 
 
 def both_paths(fn):
@@ -77,7 +78,9 @@ def check_norms(device, dtype, s):
     x, z = wide[..., :inner], wide[..., inner:]
     h = randn(rows, 1, s["hidden"], scale=3.0)
     o = randn(rows, 1, s["heads"], s["head_dim"], scale=3.0)
-    zo = randn(rows, 1, s["heads"], s["head_dim"], scale=3.0)
+    # The GDN's gate: a column slice of the merged input projections' output.
+    zo = randn(rows, 1, 3 * s["heads"] * s["head_dim"], scale=3.0)[..., s["head_dim"]:][
+        ..., :s["heads"] * s["head_dim"]]
     delta = randn(rows, 1, s["hidden"], scale=3.0)
     cases = {"nemotron": lambda: nem(h), "nemotron-gated": lambda: gated(x, z),
              "nemotron-grouped": lambda: gated(x), "qwen": lambda: qn(h),
@@ -103,9 +106,35 @@ def check_gates(device, dtype, s):
         for p in (m.A_log, m.dt_bias, m.in_proj_a.weight, m.in_proj_b.weight):
             p.copy_(3 * torch.randn(p.shape, generator=gen))
     x = torch.randn(s["rows"], 1, 32, generator=gen).to(device, dtype)
-    (g, beta), (g_ref, beta_ref) = both_paths(lambda: m.gates(x))
+    _, _, b, a = m.project(x)  # column slices of one GEMM's output: strided rows
+    (g, beta), (g_ref, beta_ref) = both_paths(lambda: m.gates(a, b))
     assert g.dtype == beta.dtype == torch.float32 and g.shape == g_ref.shape
     return max(err(g, g_ref), err(beta, beta_ref))
+
+
+def check_activations(device, dtype, s):
+    """The MLPs' activations and Qwen3.5 attention's output gate, fused against torch, on column
+    slices of one wide tensor (the merged gate-and-up projection's output), and its rotary
+    embedding (rotary dims a quarter of the head, as Qwen3.5's): the worst relative error of
+    each."""
+    gen = torch.Generator().manual_seed(4)
+    rows, n, H, D = s["rows"], s["inner"], s["heads"], s["head_dim"]
+    wide = (3 * torch.randn(rows, 1, 2 * n + 8, generator=gen)).to(device, dtype)
+    gate, up = wide[..., 8:8 + n], wide[..., 8 + n:]
+    x = (3 * torch.randn(rows, 1, H, D, generator=gen)).to(device, dtype)
+    angle = torch.randn(rows, 1, D // 8, generator=gen) * 100
+    cos = torch.cat([angle.cos()] * 2, -1).to(device, dtype)
+    sin = torch.cat([angle.sin()] * 2, -1).to(device, dtype)
+    attention = qw._Attention(qw.tiny_config())
+    worst = {}
+    for name, fn in {"silu_mul": lambda: qw._MLP.activation(gate, up),
+                     "relu_square": lambda: nh._MLP.activation(gate),
+                     "sigmoid_mul": lambda: attention.output_gate(x, up[..., :H * D]),
+                     "rope": lambda: qw._rotate(x, cos, sin)}.items():
+        got, ref = both_paths(fn)
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        worst[name] = err(got, ref)
+    return worst
 
 
 def check_conv(device, dtype, s, T, bias):
@@ -181,6 +210,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         e = t.check_gates("cpu", dtype, t.TINY)
         if not e <= tol:
             fails.append(f"gdn gates {{dtype}}: {{e}} > {{tol}}")
+        for name, e in t.check_activations("cpu", dtype, t.TINY).items():
+            if not e <= tol:
+                fails.append(f"activation {{name}} {{dtype}}: {{e}} > {{tol}}")
         for T in (1, 3):
             for bias in (False, True):
                 out, ring, shapes = t.check_conv("cpu", dtype, t.TINY, T, bias)
@@ -255,6 +287,14 @@ def test_fused_gdn_gates_on_gpu(dtype):
     assert check_gates("cuda", dtype, REAL) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_activations_on_gpu(dtype):
+    worst = check_activations("cuda", dtype, REAL)
+    assert all(e <= TOL[dtype] for e in worst.values()), worst
+
+
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("shapes", [TINY, REAL], ids=["tiny", "real"])
 @pytest.mark.cuda
@@ -271,3 +311,34 @@ def test_fused_models_on_gpu(where):
     worst = check_models(device, dtype)
     tol = MODEL_TOL_FP32 if dtype == torch.float32 else mu.BF16_ACTIVATIONS_TOLERANCE
     assert all(e <= tol for e in worst.values()), worst
+
+
+def test_merged_projections_view_one_weight_and_follow_changes():
+    from replayssm.models.merged import MergedLinear
+
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.nn.Linear(6, 4), torch.nn.Linear(6, 3)
+    merged = MergedLinear(a, b)
+    x = torch.randn(5, 6, generator=gen)
+    for got, module in zip(merged(x), (a, b)):
+        torch.testing.assert_close(got, module(x))
+    # The modules' weights now view the merged one (no second copy), so a load into a module's
+    # weight reaches it.
+    assert b.weight.data_ptr() == a.weight.data_ptr() + 4 * 6 * a.weight.element_size()
+    with torch.no_grad():
+        b.weight.copy_(torch.ones(3, 6))
+        b.bias.zero_()
+    torch.testing.assert_close(merged(x)[1], x.sum(-1, keepdim=True).expand(5, 3))
+    # Moved to another dtype (new storage): merged again, from the moved weights.
+    a.double()
+    b.double()
+    for got, module in zip(merged(x.double()), (a, b)):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, module(x.double()))
+    # A replaced parameter likewise.
+    a.weight = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.float64))
+    torch.testing.assert_close(merged(x.double())[0], a.bias.expand(5, 4))
+    with pytest.raises(ValueError, match="same input"):
+        MergedLinear(a, torch.nn.Linear(5, 2))
+    with pytest.raises(ValueError, match="bias"):
+        MergedLinear(a, torch.nn.Linear(6, 2, bias=False))

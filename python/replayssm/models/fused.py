@@ -11,6 +11,11 @@ path (the CPU path and the reference, in base.py and the families) runs several.
   nine; :func:`add_rms_norm` adds the residual stream's update in the same launch.
 - :func:`gdn_gates`: the Gated DeltaNet's g and beta from its a and b projections: one launch
   against nine.
+- :func:`silu_mul` (Qwen3.5's MLP, silu(gate) * up) and :func:`relu_square` (Nemotron-H's,
+  relu(x)^2): one pass over the MLP's widest activations against two; :func:`sigmoid_mul`,
+  Qwen3.5's gated attention output (o * sigmoid(gate)), likewise.
+- :func:`rope`: Qwen3.5's partial rotary embedding of q or k: one launch against the torch
+  path's two concatenations, three products and a sum.
 
 Rounding. Each kernel rounds where the torch path rounds: the conv accumulates in the weight's
 dtype with a rounding after every multiply and add, as the torch path's bf16 arithmetic does;
@@ -38,10 +43,13 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves every call
     triton = None
 
-__all__ = ["add_rms_norm", "available", "conv_decode", "gdn_gates", "rms_norm"]
+__all__ = ["add_rms_norm", "available", "conv_decode", "gdn_gates", "relu_square", "rms_norm",
+           "rope", "sigmoid_mul", "silu_mul"]
 
 _ENABLED = os.environ.get("REPLAYSSM_FUSED", "1") != "0"
 _CONV_BLOCK = 256
+_ACTIVATION_BLOCK = 1024
+_SILU_MUL, _RELU_SQUARE, _SIGMOID_MUL = 0, 1, 2
 _GATE = {None: 0, "before": 1, "after": 2}
 
 
@@ -143,6 +151,59 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
                                       a2.stride(0), b2.stride(0), H,
                                       BLOCK=triton.next_power_of_2(H))
     return g.view(a.shape), beta.view(a.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, both [..., N] (rows may be strided: column slices of one projection's
+    output), rounded as torch's ``F.silu(gate) * up``: the SiLU to gate's dtype, then the
+    product. A contiguous [..., N] tensor in gate's dtype."""
+    return _activation(_SILU_MUL, gate, up)
+
+
+def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), rounded as torch's ``x * torch.sigmoid(gate)``: the sigmoid to gate's
+    dtype, then the product; shapes and strides as :func:`silu_mul`."""
+    return _activation(_SIGMOID_MUL, gate, x)
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 as torch's ``torch.relu(x).square()`` rounds it; [..., N], rows may be
+    strided. A contiguous tensor in x's dtype."""
+    return _activation(_RELU_SQUARE, x, None)
+
+
+def _activation(act: int, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    if other is not None and (other.shape != x.shape or other.dtype != x.dtype):
+        raise ValueError(f"fused activation: {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(other.shape)} {other.dtype} must match")
+    N = x.shape[-1]
+    x2 = _rows(x, N)
+    other2 = x2 if other is None else _rows(other, N)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    grid = (x2.shape[0], triton.cdiv(N, _ACTIVATION_BLOCK))
+    _activation_kernel[grid](x2, other2, out, x2.stride(0), other2.stride(0), N, ACT=act,
+                             BLOCK=_ACTIVATION_BLOCK)
+    return out.view(x.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of x [..., H, D] on its first R dims (rotate-half pairing: dim i
+    with i + R / 2), cos and sin [..., R] broadcast over the heads, all in one dtype; rounded
+    as the torch path (models/qwen3_5.py, _rotate): each product and the sum to x's dtype.
+    A contiguous tensor of x's shape."""
+    H, D = x.shape[-2:]
+    R = cos.shape[-1]
+    if sin.shape != cos.shape or R % 2 or R > D or not (x.dtype == cos.dtype == sin.dtype):
+        raise ValueError(f"rope: x {tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} "
+                         f"{cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}")
+    x2 = x.reshape(-1, H, D).contiguous()
+    cos2, sin2 = cos.reshape(-1, R).contiguous(), sin.reshape(-1, R).contiguous()
+    if cos2.shape[0] != x2.shape[0]:
+        raise ValueError(f"rope: {cos2.shape[0]} rows of cos for {x2.shape[0]} rows of x")
+    out = torch.empty_like(x2)
+    _rope_kernel[(x2.shape[0], H)](x2, cos2, sin2, out, H, D=D, R=R,
+                                   BLOCK=triton.next_power_of_2(D))
+    return out.view(x.shape)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -253,3 +314,43 @@ if triton is not None:
         b = tl.load(b_ptr + row * stride_b + i, mask=live, other=0.0)
         beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
         tl.store(beta_ptr + row * H + i, beta.to(b.dtype).to(tl.float32), mask=live)
+
+    @triton.jit
+    def _activation_kernel(x_ptr, other_ptr, out_ptr, stride_x, stride_other, N,
+                           ACT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = c < N
+        x = tl.load(x_ptr + row * stride_x + c, mask=live, other=0.0)
+        xf = x.to(tl.float32)
+        if ACT == 1:  # relu(x)^2
+            r = tl.maximum(xf, 0.0)
+            y = r * r
+        else:  # silu(x) * other or sigmoid(x) * other, the activation rounded first
+            if ACT == 0:
+                a = xf / (1.0 + tl.exp(-xf))
+            else:
+                a = 1.0 / (1.0 + tl.exp(-xf))
+            other = tl.load(other_ptr + row * stride_other + c, mask=live, other=0.0)
+            y = a.to(x.dtype).to(tl.float32) * other.to(tl.float32)
+        tl.store(out_ptr + row * N + c, y.to(x.dtype), mask=live)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, R: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = (row * H + tl.program_id(1)) * D
+        i = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + i, mask=i < D, other=0.0)
+        rotary = i < R
+        first = i < R // 2
+        # rotate_half: (-x2, x1) over the rotary dims
+        pair = tl.where(first, i + R // 2, i - R // 2)
+        partner = tl.load(x_ptr + base + pair, mask=rotary, other=0.0).to(tl.float32)
+        partner = tl.where(first, -partner, partner)
+        c = tl.load(cos_ptr + row * R + i, mask=rotary, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + row * R + i, mask=rotary, other=0.0).to(tl.float32)
+        t1 = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+        t2 = (partner * s).to(x.dtype).to(tl.float32)
+        y = tl.where(rotary, (t1 + t2).to(x.dtype), x)
+        tl.store(out_ptr + base + i, y, mask=i < D)

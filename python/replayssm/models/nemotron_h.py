@@ -389,8 +389,14 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    @staticmethod
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        if fused.available(x):
+            return fused.relu_square(x)
+        return torch.relu(x).square()
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(h)).square())
+        return self.down_proj(self.activation(self.up_proj(h)))
 
 
 _MIXERS = {_MAMBA_LAYER: _Mamba2Mixer, _ATTENTION_LAYER: _Attention, _MLP_LAYER: _MLP}

@@ -44,6 +44,7 @@ from torch import nn
 import replayssm
 
 from . import fused
+from .merged import MergedLinear
 from .base import (CacheLayout, DecodeContext, HybridModel, PrefillContext, ServingCache,
                    causal_attention)
 
@@ -332,11 +333,15 @@ class _GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o [..., Hv, V], normalised per head; z [..., Hv * V] (rows may be strided: a slice
+        of the input projections' output) -> [..., Hv * V]."""
+        V = o.shape[-1]
         if fused.available(o):
-            return fused.rms_norm(o, self.weight, self.eps, gate=z, gate_at="after")
+            return fused.rms_norm(o.flatten(-2), self.weight, self.eps, group_size=V, gate=z,
+                                  gate_at="after")
         y = o.float()
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
-        return (self.weight * y * F.silu(z.float())).to(o.dtype)
+        return (self.weight * y * F.silu(z.unflatten(-1, (-1, V)).float())).to(o.dtype).flatten(-2)
 
 
 class _MLP(nn.Module):
@@ -346,8 +351,16 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
+        self._gate_up = MergedLinear(self.gate_proj, self.up_proj)
+
+    @staticmethod
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if fused.available(gate):
+            return fused.silu_mul(gate, up)
+        return F.silu(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(*self._gate_up(x)))
 
 
 class _GatedDeltaNet(nn.Module):
@@ -369,15 +382,23 @@ class _GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(Hv))
         self.norm = _GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+        self._in_proj = MergedLinear(self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                     self.in_proj_a)
 
-    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(g, beta) in fp32 [..., num_v_heads]: g = -exp(A_log) softplus(a + dt_bias) taken in
-        fp32, beta = sigmoid(b) in the activations' dtype (as transformers rounds them)."""
-        if fused.available(x):
-            return fused.gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
-        a = self.in_proj_a(x).float()
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-        return g, torch.sigmoid(self.in_proj_b(x)).float()
+    def project(self, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> the conv's input [..., conv_dim], the output gate z
+        [..., value_dim], b and a [..., num_v_heads]: column slices of one GEMM's output."""
+        return self._in_proj(x)
+
+    def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta) in fp32 [..., num_v_heads] from the projections a and b: g = -exp(A_log)
+        softplus(a + dt_bias) taken in fp32, beta = sigmoid(b) in the activations' dtype (as
+        transformers rounds them)."""
+        if fused.available(a):
+            return fused.gdn_gates(a, b, self.A_log, self.dt_bias)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, torch.sigmoid(b).float()
 
     def splits(self) -> list[int]:
         return [self.c.key_dim, self.c.key_dim, self.c.value_dim]
@@ -392,10 +413,10 @@ class _GatedDeltaNet(nn.Module):
                 k.reshape(*lead, c.linear_num_key_heads, c.linear_key_head_dim),
                 v.reshape(*lead, c.linear_num_value_heads, c.linear_value_head_dim))
 
-    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o [..., Hv, V] (the recurrence's output) and the layer input x -> the layer output."""
-        z = self.in_proj_z(x).reshape(o.shape)
-        return self.out_proj(self.norm(o, z).flatten(-2))
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o [..., Hv, V] (the recurrence's output) and the gate z [..., value_dim] -> the
+        layer output."""
+        return self.out_proj(self.norm(o, z))
 
     def _conv_args(self):
         return self.conv1d.weight[:, 0], None, "silu"
@@ -405,29 +426,30 @@ class _GatedDeltaNet(nn.Module):
         """A prefill's x [n, hidden]: the chunked scan from the slot's state (zeros for a fresh
         slot), whose final state is loaded into the slot's SSM layer ``layer`` (``rope``: the
         mixers' shared signature; unused here)."""
-        mixed = cache.conv_prefill(layer, ctx, self.in_proj_qkv(x), *self._conv_args())
-        q, k, v = self.split(mixed)
-        g, beta = self.gates(x)
+        mixed, z, b, a = self.project(x)
+        q, k, v = self.split(cache.conv_prefill(layer, ctx, mixed, *self._conv_args()))
+        g, beta = self.gates(a, b)
         rep = self.c.linear_num_value_heads // self.c.linear_num_key_heads
         kept: list[torch.Tensor] = []
         o, state = gated_delta_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1),
                                        v, g, beta, cache.ssm_prefill_state(layer, ctx),
                                        ctx.chunk(_SCAN_CHUNK), ctx.block, kept)
         cache.ssm_prefill_end(layer, ctx, state, kept)
-        return self.output(o.to(x.dtype), x)
+        return self.output(o.to(x.dtype), z)
 
     def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext, x: torch.Tensor,
                rope: Any) -> torch.Tensor:
         """A window x [B, T, hidden] through gdn_decode (q and k normalised and q scaled by
         the op, as the prefill scan does)."""
+        mixed, z, b, a = self.project(x)
         # Split by the conv itself: q, k and v come out contiguous (no copies for the op).
-        q, k, v = self.split(cache.conv_decode(layer, ctx, self.in_proj_qkv(x),
-                                               *self._conv_args(), splits=self.splits()))
-        g, beta = self.gates(x)
+        q, k, v = self.split(cache.conv_decode(layer, ctx, mixed, *self._conv_args(),
+                                               splits=self.splits()))
+        g, beta = self.gates(a, b)
         o = replayssm.gdn_decode(cache.ssm, layer, ctx.slot_ids, q, k, v, g.contiguous(),
                                  beta.contiguous(), scale=self.c.linear_key_head_dim ** -0.5,
                                  qk_l2norm=True)
-        return self.output(o, x)
+        return self.output(o, z)
 
 
 class _Attention(nn.Module):
@@ -457,9 +479,16 @@ class _Attention(nn.Module):
         v = self.v_proj(x).view(*lead, c.num_key_value_heads, c.head_dim)
         return q, k, v, gate.reshape(*lead, -1)
 
+    @staticmethod
+    def output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [..., H, hd], gate [..., H * hd] -> o * sigmoid(gate) [..., H * hd]."""
+        if fused.available(o):
+            return fused.sigmoid_mul(gate, o.flatten(-2))
+        return o.flatten(-2) * torch.sigmoid(gate)
+
     def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o [..., H, hd] -> the layer output, gated by sigmoid(gate)."""
-        return self.o_proj(o.flatten(-2) * torch.sigmoid(gate))
+        return self.o_proj(self.output_gate(o, gate))
 
     def prefill(self, cache: ServingCache, layer: int, ctx: PrefillContext, x: torch.Tensor,
                 rope: Any) -> torch.Tensor:
@@ -478,6 +507,8 @@ class _Attention(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on x's first rotary_dim dims (rotate-half pairing: dim i with
     i + rotary_dim / 2); cos, sin [..., rotary_dim] without the head axis."""
+    if fused.available(x):
+        return fused.rope(x, cos, sin)
     r = cos.shape[-1]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     xr, rest = x[..., :r], x[..., r:]
