@@ -195,29 +195,22 @@ void add_real_shape_cases(std::initializer_list<NamedShape<Shape>> shapes,
       eager.steps = 6;
       out->push_back(eager);
     }
-    for (CheckpointPrecision p : kAllPrecisions) {
+    const auto replay = [&](CheckpointPrecision p, int window, int stagger) {
       SideCase<Shape> c{s.name, s.shape, DecodeMode::kReplay};
       c.checkpoint = p;
       c.input = DType::kBF16;
       c.buffer_len = 16;
+      c.window = window;
       c.layers = 1;
       c.batch = 2;
       c.steps = 64;
-      c.stagger = 5;
+      c.stagger = stagger;
       out->push_back(c);
-    }
+    };
+    for (CheckpointPrecision p : kAllPrecisions) replay(p, 1, 5);
     // A verify window at every real shape: its staging (ring records of L − 1 + T tokens of
     // every head of a key head) is the largest a shape asks for.
-    SideCase<Shape> spec{s.name, s.shape, DecodeMode::kReplay};
-    spec.checkpoint = CheckpointPrecision::kFp32Bf16;
-    spec.input = DType::kBF16;
-    spec.buffer_len = 16;
-    spec.window = 4;
-    spec.layers = 1;
-    spec.batch = 2;
-    spec.steps = 64;
-    spec.stagger = 3;
-    out->push_back(spec);
+    replay(CheckpointPrecision::kFp32Bf16, 4, 3);
   }
 }
 
