@@ -33,6 +33,7 @@ __all__ = [
     "BufferSpec",
     "CacheConfig",
     "CacheRecords",
+    "ConvInputs",
     "StateCache",
     "cache_buffers",
     "cuda_available",
@@ -95,8 +96,13 @@ class CacheConfig:
     copy on fold: the copy reads its source's checkpoint until either of them first writes its
     own (a fold, a load, a restore, a fork onto it, a free), so a fork moves only ring records
     and cursors, and a copy freed before its first fold never copies the checkpoint; every
-    decode then runs a short release pass first. The library checks the configuration here,
-    and what the device's backend supports when a cache is created.
+    decode then runs a short release pass first. ``conv_kernel=K`` (replay only, K in 2..8)
+    makes the decodes apply the layer's causal conv1d themselves: they take the pre-conv inputs
+    (:class:`ConvInputs`) instead of x, B, C or q, k, v, apply conv + bias + SiLU to the window
+    in the same launch, and keep the last K - 1 tokens' inputs in the cache (no conv state of
+    the caller's, no conv kernel); :meth:`StateCache.load_conv_window` sets a slot's window after
+    a prefill. The library checks the configuration here, and what the device's backend
+    supports when a cache is created.
     """
 
     kind: str
@@ -118,6 +124,7 @@ class CacheConfig:
     state_dtype: Any = "float32"
     device: str = "cpu"
     share_forked_checkpoints: bool = False
+    conv_kernel: int = 0
     _native: Any = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -140,7 +147,8 @@ class CacheConfig:
             buffer_len=self.buffer_len, max_spec_tokens=self.max_spec_tokens,
             checkpoint=self.checkpoint, mode=self.mode, input_dtype=self.input_dtype,
             state_dtype=self.state_dtype, device=self.device,
-            share_forked_checkpoints=bool(self.share_forked_checkpoints)))
+            share_forked_checkpoints=bool(self.share_forked_checkpoints),
+            conv_kernel=int(self.conv_kernel)))
 
     @property
     def state_shape(self) -> tuple[int, int, int]:
@@ -155,6 +163,21 @@ class CacheConfig:
         """Ring entries per slot and layer (0 for eager caches)."""
         return self._native.ring_capacity
 
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the layer's causal conv1d, in the models' order: Mamba-2 x, B, C
+        (num_heads * head_dim + 2 * num_groups * state_dim), GDN q, k, v (2 * num_k_heads *
+        head_k_dim + num_v_heads * head_v_dim)."""
+        if self.kind == "mamba2":
+            return self.num_heads * self.head_dim + 2 * self.num_groups * self.state_dim
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_window_shape(self) -> tuple[int, int]:
+        """One layer's conv window of one slot, as load_conv_window takes it:
+        (conv_kernel - 1, conv_channels)."""
+        return (self.conv_kernel - 1, self.conv_channels)
+
     def record_shapes(self, count: int) -> "CacheRecords":
         """The shapes of :class:`CacheRecords` of ``count`` tokens (key_scale None for
         Mamba-2)."""
@@ -164,6 +187,20 @@ class CacheConfig:
         return CacheRecords(vec=(L, count, heads, rows), key=(L, count, key_heads, cols),
                             key_scale=(L, count, key_heads) if self.kind == "gdn" else None,
                             write=(L, count, heads), decay=(L, count, heads))
+
+
+class ConvInputs(NamedTuple):
+    """The pre-conv inputs of a decode on a cache with ``conv_kernel = K > 0``, in place of
+    x, B, C (Mamba-2) or q, k, v (GDN): ``inputs`` [batch, T, conv_channels] in the input dtype,
+    channels contiguous and token rows one stride apart (a column slice of the in-projection's
+    output is), ``weight`` float32 [conv_channels, K] (the model's conv1d weight [C, 1, K] without
+    its middle axis) and ``bias`` float32 [conv_channels] or None. Token t of a row gets
+    u = SiLU(bias + sum over i < K of weight[c, i] * in(committed + t - (K - 1) + i)), in(p) the
+    window's own token or, before the window, the cache's conv window."""
+
+    inputs: Any
+    weight: Any
+    bias: Any = None
 
 
 class CacheRecords(NamedTuple):
@@ -300,6 +337,24 @@ class StateCache:
         if out is None:
             out = self._new_state()
         self._native.export_state(layer, slot, out, self._array_stream(stream, out))
+        return out
+
+    def load_conv_window(self, layer: int, slot: int, window: Any, *, stream: Any = None
+                         ) -> None:
+        """Conv caches: writes one layer's conv window of a slot, the pre-conv inputs of the
+        ``conv_kernel - 1`` positions before its committed one (``config.conv_window_shape``,
+        input dtype, oldest first; zeros for positions before a sequence's first token), the
+        prefill hand-off beside :meth:`load_state`. A CUDA cache also takes host memory.
+        Synchronises the stream."""
+        self._native.load_conv_window(layer, slot, window, self._array_stream(stream, window))
+
+    def export_conv_window(self, layer: int, slot: int, out: Any = None, *,
+                           stream: Any = None) -> Any:
+        """Conv caches: one layer's conv window of a slot (as :meth:`load_conv_window` takes
+        it), written into ``out`` or a new array; returns it. Synchronises the stream."""
+        if out is None and self.config.conv_kernel:  # without a conv the library refuses
+            out = self._new_array(self.config.conv_window_shape, self.config.input_dtype)
+        self._native.export_conv_window(layer, slot, out, self._array_stream(stream, out))
         return out
 
     def commit(self, slot_ids: Any, accepted: Any, *, stream: Any = None) -> None:
@@ -454,18 +509,43 @@ class StateCache:
         return CacheRecords(*(None if shape is None else self._new_array(shape, dtype)
                               for shape, dtype in zip(self.config.record_shapes(count), dtypes)))
 
-    def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
-        _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
-                         stream, None)
+    def _new_output(self, like: Any, shape: tuple[int, ...]) -> Any:
+        """A decode's output of `shape` in `like`'s dtype and memory (conv caches, whose
+        decodes have no x or q to allocate it like)."""
+        import numpy
 
-    def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream):
+        return numpy.empty(shape, like.dtype)
+
+    def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream,
+                       conv):
+        _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
+                         stream, None, *conv)
+
+    def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream,
+                    conv):
         _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
-                      stream, None)
+                      stream, None, *conv)
+
+
+_NO_CONV = (None, None, None)
+
+
+def _decode_output(op: str, cache: StateCache, first: Any, conv: ConvInputs | None, heads: int,
+                   dim: int) -> Any:
+    """A new output [batch, T, heads, dim]: like the first activation, or on a conv cache in
+    the pre-conv inputs' dtype and memory."""
+    if conv is None and cache.config.conv_kernel:
+        raise ValueError(f"{op}: a conv cache (conv_kernel > 0) takes conv=ConvInputs(...), the "
+                         "pre-conv inputs")
+    if conv is None:
+        return cache._empty_like(first)
+    batch, T = conv.inputs.shape[:2]
+    return cache._new_output(conv.inputs, (batch, T, heads, dim))
 
 
 def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any, dt: Any, B: Any, C: Any,
                   A: Any, D: Any, dt_bias: Any, z: Any = None, out: Any = None, *,
-                  stream: Any = None) -> Any:
+                  stream: Any = None, conv: ConvInputs | None = None) -> Any:
     """One Mamba-2 decode step of layer ``layer`` for the rows ``slot_ids`` (int32 [batch];
     -1 = pad row, nothing written), T tokens per row (T = 1: plain decoding; T > 1: verify a
     speculative window, then :meth:`StateCache.commit`).
@@ -474,16 +554,20 @@ def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any, dt: Any,
     [batch, T, num_heads, head_dim] and ``B``, ``C`` [batch, T, num_groups, state_dim] in the
     cache's input dtype; ``dt`` [batch, T, num_heads] raw (before bias and softplus) and ``A``
     (< 0), ``D``, ``dt_bias`` [num_heads] in float32. Returns ``y`` [batch, T, num_heads,
-    head_dim] in the input dtype, written into ``out`` when given."""
+    head_dim] in the input dtype, written into ``out`` when given. On a cache with
+    ``conv_kernel > 0``, ``x``, ``B`` and ``C`` are None and ``conv`` (:class:`ConvInputs`)
+    gives the pre-conv x, B, C."""
+    c = cache.config
     if out is None:
-        out = cache._empty_like(x)
-    cache._mamba2_decode(layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream)
+        out = _decode_output("mamba2_decode", cache, x, conv, c.num_heads, c.head_dim)
+    cache._mamba2_decode(layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream,
+                         _NO_CONV if conv is None else tuple(conv))
     return out
 
 
 def gdn_decode(cache: StateCache, layer: int, slot_ids: Any, q: Any, k: Any, v: Any, g: Any,
                beta: Any, scale: float | None = None, qk_l2norm: bool = True, out: Any = None, *,
-               stream: Any = None) -> Any:
+               stream: Any = None, conv: ConvInputs | None = None) -> Any:
     """One Gated DeltaNet decode step of layer ``layer`` for the rows ``slot_ids`` (int32
     [batch]; -1 = pad row), T tokens per row (as :func:`mamba2_decode`).
 
@@ -491,9 +575,12 @@ def gdn_decode(cache: StateCache, layer: int, slot_ids: Any, q: Any, k: Any, v: 
     head_v_dim] in the cache's input dtype; ``g`` (log-decay, <= 0) and ``beta`` (in [0, 1])
     [batch, T, num_v_heads] in float32. ``qk_l2norm`` normalises q and k (eps 1e-6 under the
     root); ``scale`` multiplies q after that (None: head_k_dim ** -0.5). Returns ``o``
-    [batch, T, num_v_heads, head_v_dim] in the input dtype, written into ``out`` when given."""
+    [batch, T, num_v_heads, head_v_dim] in the input dtype, written into ``out`` when given. On
+    a cache with ``conv_kernel > 0``, ``q``, ``k`` and ``v`` are None and ``conv``
+    (:class:`ConvInputs`) gives the pre-conv q, k, v."""
+    c = cache.config
     if out is None:
-        out = cache._empty_like(v)
+        out = _decode_output("gdn_decode", cache, v, conv, c.num_v_heads, c.head_v_dim)
     cache._gdn_decode(layer, slot_ids, q, k, v, g, beta, 0.0 if scale is None else float(scale),
-                      bool(qk_l2norm), out, stream)
+                      bool(qk_l2norm), out, stream, _NO_CONV if conv is None else tuple(conv))
     return out

@@ -140,6 +140,9 @@ class StateCache(_StateCache):
     def _new_rows(self, values: List[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self._buffer_list[0].device)
 
+    def _new_output(self, like: torch.Tensor, shape: Any) -> torch.Tensor:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
     # The prefix ops: registered ops while Dynamo traces, the library directly otherwise.
     def materialize(self, slot_ids: torch.Tensor, positions: torch.Tensor,
                     out: Optional[torch.Tensor] = None, *, stream: Any = None) -> torch.Tensor:
@@ -187,26 +190,28 @@ class StateCache(_StateCache):
         _no_stream_when_compiling(stream)
         torch.ops.replayssm.truncate(self._id, slot_ids, positions, self._buffer_list)
 
-    def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream):
+    def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream,
+                       conv):
         if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.mamba2_decode(self._id, layer, slot_ids, x, dt, B, C, A, D,
-                                              dt_bias, z, out, self._buffer_list)
+                                              dt_bias, z, out, self._buffer_list, *conv)
         else:
             # _array_stream inlined: this is the eager hot path.
             _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
                              stream if stream is not None or _FAST_EXCHANGE
-                             else self._stream(None), None)
+                             else self._stream(None), None, *conv)
 
-    def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream):
+    def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream,
+                    conv):
         if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.gdn_decode(self._id, layer, slot_ids, q, k, v, g, beta, scale,
-                                           qk_l2norm, out, self._buffer_list)
+                                           qk_l2norm, out, self._buffer_list, *conv)
         else:
             _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
                           stream if stream is not None or _FAST_EXCHANGE
-                          else self._stream(None), None)
+                          else self._stream(None), None, *conv)
 
 
 def _cache(cache_id: int) -> StateCache:
@@ -221,32 +226,41 @@ def _cache(cache_id: int) -> StateCache:
 # writes `out`; replayssm.mamba2_decode / gdn_decode allocate `out` and return it.
 
 @torch.library.custom_op("replayssm::mamba2_decode", mutates_args=("out", "buffers"))
-def _mamba2_decode_op(cache: int, layer: int, slot_ids: torch.Tensor, x: torch.Tensor,
-                      dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A: torch.Tensor,
-                      D: torch.Tensor, dt_bias: torch.Tensor, z: Optional[torch.Tensor],
-                      out: torch.Tensor, buffers: List[torch.Tensor]) -> None:
-    """replayssm.mamba2_decode on the cache with id ``cache``, writing ``out``."""
+def _mamba2_decode_op(cache: int, layer: int, slot_ids: torch.Tensor, x: Optional[torch.Tensor],
+                      dt: torch.Tensor, B: Optional[torch.Tensor], C: Optional[torch.Tensor],
+                      A: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
+                      z: Optional[torch.Tensor], out: torch.Tensor, buffers: List[torch.Tensor],
+                      conv_in: Optional[torch.Tensor] = None,
+                      conv_weight: Optional[torch.Tensor] = None,
+                      conv_bias: Optional[torch.Tensor] = None) -> None:
+    """replayssm.mamba2_decode on the cache with id ``cache``, writing ``out`` (a conv cache:
+    x, B, C None and the ConvInputs' three tensors last)."""
     _C.mamba2_decode(_cache(cache)._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
-                     _current_stream(x), buffers)
+                     _current_stream(out), buffers, conv_in, conv_weight, conv_bias)
 
 
 @_mamba2_decode_op.register_fake
-def _(cache, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, buffers):
+def _(cache, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, buffers, conv_in=None,
+      conv_weight=None, conv_bias=None):
     return None
 
 
 @torch.library.custom_op("replayssm::gdn_decode", mutates_args=("out", "buffers"))
-def _gdn_decode_op(cache: int, layer: int, slot_ids: torch.Tensor, q: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   scale: float, qk_l2norm: bool, out: torch.Tensor,
-                   buffers: List[torch.Tensor]) -> None:
-    """replayssm.gdn_decode on the cache with id ``cache`` (scale 0 = head_k_dim ** -0.5)."""
+def _gdn_decode_op(cache: int, layer: int, slot_ids: torch.Tensor, q: Optional[torch.Tensor],
+                   k: Optional[torch.Tensor], v: Optional[torch.Tensor], g: torch.Tensor,
+                   beta: torch.Tensor, scale: float, qk_l2norm: bool, out: torch.Tensor,
+                   buffers: List[torch.Tensor], conv_in: Optional[torch.Tensor] = None,
+                   conv_weight: Optional[torch.Tensor] = None,
+                   conv_bias: Optional[torch.Tensor] = None) -> None:
+    """replayssm.gdn_decode on the cache with id ``cache`` (scale 0 = head_k_dim ** -0.5; a
+    conv cache: q, k, v None and the ConvInputs' three tensors last)."""
     _C.gdn_decode(_cache(cache)._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm,
-                  out, _current_stream(q), buffers)
+                  out, _current_stream(out), buffers, conv_in, conv_weight, conv_bias)
 
 
 @_gdn_decode_op.register_fake
-def _(cache, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, buffers):
+def _(cache, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, buffers, conv_in=None,
+      conv_weight=None, conv_bias=None):
     return None
 
 

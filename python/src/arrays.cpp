@@ -127,9 +127,9 @@ std::string join(const std::int64_t* v, int n) {
   return s + "]";
 }
 
-[[noreturn]] void raise_value(const std::string& message) { throw nb::value_error(message.c_str()); }
-
 }  // namespace
+
+void raise_value(const std::string& message) { throw nb::value_error(message.c_str()); }
 
 std::int64_t Array::numel() const {
   std::int64_t n = 1;
@@ -230,8 +230,29 @@ Elem elem_of(DType activation_dtype) {
   }
 }
 
+namespace {
+
+// [batch, T, channels] with contiguous channels and token rows one stride apart (axes of length
+// 1 are never stepped along, so their strides do not matter).
+bool token_rows(const Array& a) {
+  if (a.strides == nullptr || a.numel() == 0) return true;
+  if (a.ndim != 3 || (a.shape[2] != 1 && a.strides[2] != 1)) return false;
+  const std::int64_t row = token_row_stride(a);
+  return row >= a.shape[2] && (a.shape[1] == 1 || a.strides[1] == row) &&
+         (a.shape[0] == 1 || a.strides[0] == row * a.shape[1]);
+}
+
+}  // namespace
+
+std::int64_t token_row_stride(const Array& a) {
+  if (a.strides == nullptr) return a.shape[2];
+  if (a.shape[1] != 1) return a.strides[1];
+  return a.shape[0] != 1 ? a.strides[0] : a.shape[2];
+}
+
 void expect(const char* op, const Array& a, Elem elem, std::initializer_list<std::int64_t> shape,
-            const char* layout, Device device, std::int32_t device_id, Placement placement) {
+            const char* layout, Device device, std::int32_t device_id, Placement placement,
+            Contiguity contiguity) {
   // The message is built only on failure: this runs for every array of every call.
   const auto fail = [&](const std::string& what) {
     raise_value(std::string(op) + ": " + a.name + what);
@@ -264,7 +285,13 @@ void expect(const char* op, const Array& a, Elem elem, std::initializer_list<std
       break;
     }
   }
-  if (!a.row_major()) {
+  if (contiguity == Contiguity::kTokenRows) {
+    if (!token_rows(a)) {
+      fail(" has strides " + join(a.strides, a.ndim) + " for shape " + a.shape_text() +
+           "; its channels must be contiguous and its token rows one stride apart (a column "
+           "slice of a [batch, T, width] array is)");
+    }
+  } else if (!a.row_major()) {
     fail(" is not contiguous (strides " + join(a.strides, a.ndim) + " for shape " +
          a.shape_text() + "); pass a dense row-major array");
   }

@@ -82,6 +82,14 @@ class ArrayReader {
 /// cache) host or device memory.
 enum class Placement : std::uint8_t { kCacheDevice, kHostOrCacheDevice };
 
+/// Raises ValueError with `message`.
+[[noreturn]] void raise_value(const std::string& message);
+
+/// How an array's elements must lie: dense row-major, or (token rows) [batch, T, channels] with
+/// the channels contiguous and every token's row the same stride from the last, as a column
+/// slice of a wider projection's output is: the ops' ConvInputs::stride.
+enum class Contiguity : std::uint8_t { kRowMajor, kTokenRows };
+
 /// The element types the ops take: the cache's activation dtypes (bf16 also as its bits in a
 /// uint16 view), fp32, int32 for slot ids and counts, and positions: the cursors' u32 as int32
 /// (how torch holds them) or uint32 (how NumPy does), the same bits.
@@ -89,11 +97,16 @@ enum class Elem : std::uint8_t { kF32, kBF16, kF16, kI32, kPosition };
 Elem elem_of(DType activation_dtype);
 
 /// Raises ValueError naming `op` and the array unless it has element type `elem`, shape
-/// `shape` (`layout` names the axes in the message), is row-major, and lies where `placement`
-/// allows for a cache on `device` (CUDA: on device `device_id` when it is >= 0).
+/// `shape` (`layout` names the axes in the message), lies as `contiguity` asks, and lies where
+/// `placement` allows for a cache on `device` (CUDA: on device `device_id` when it is >= 0).
 void expect(const char* op, const Array& a, Elem elem, std::initializer_list<std::int64_t> shape,
             const char* layout, Device device, std::int32_t device_id,
-            Placement placement = Placement::kCacheDevice);
+            Placement placement = Placement::kCacheDevice,
+            Contiguity contiguity = Contiguity::kRowMajor);
+
+/// The elements from one token's row to the next of a [batch, T, channels] array that
+/// expect(..., Contiguity::kTokenRows) accepted.
+std::int64_t token_row_stride(const Array& a);
 
 /// The length of `a`'s axis `axis`; ValueError unless `a` has `ndim` axes (`layout` names them).
 std::int64_t dim_of(const char* op, const Array& a, int ndim, int axis, const char* layout);

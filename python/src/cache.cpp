@@ -83,35 +83,68 @@ nb::object buffer_array(PyCache& self, const CacheBufferSpec& spec, nb::handle o
   return nb::cast(nd, nb::rv_policy::reference);
 }
 
-// load_state / export_state: one layer's fp32 state [heads, rows, cols], host memory or (CUDA
-// caches) device memory; both synchronise the stream, so they run without the GIL.
+// load_state / export_state (one layer's fp32 state [heads, rows, cols]) and load_conv_window /
+// export_conv_window (one layer's conv window [K - 1, conv_channels] in the input dtype): host
+// memory or (CUDA caches) device memory; all synchronise the stream, so they run without the GIL.
 template <typename Call>
-void state_io(PyCache& self, const char* op, const char* name, nb::handle array, Access access,
-              nb::handle stream, Call&& call) {
+void slot_io(PyCache& self, const char* op, const char* name, nb::handle array, Access access,
+             nb::handle stream, Elem elem, std::initializer_list<std::int64_t> shape,
+             const char* layout, Call&& call) {
   ArrayReader reader;
   const Array a = reader.read(array, op, name, access);
-  const StateDims d = self.config().dims();
-  expect(op, a, Elem::kF32, {d.heads, d.rows, d.cols}, "([heads, rows, cols])",
-         self.config().device, self.device_id, Placement::kHostOrCacheDevice);
+  expect(op, a, elem, shape, layout, self.config().device, self.device_id,
+         Placement::kHostOrCacheDevice);
   void* s = op_stream(self, stream, reader, a);
   Status st;
   {
     nb::gil_scoped_release unlocked;
-    st = call(static_cast<float*>(a.data), s);
+    st = call(a.data, s);
   }
   check(st);
 }
 
+constexpr const char* kStateLayout = "([heads, rows, cols])";
+constexpr const char* kConvLayout = "([conv_kernel - 1, conv_channels])";
+
 void load_state(PyCache& self, int layer, int slot, nb::handle state, nb::handle stream) {
-  state_io(self, "load_state", "state", state, Access::kRead, stream, [&](float* p, void* s) {
-    return state_cache_load_state(*self.cache, layer, slot, p, s);
-  });
+  const StateDims d = self.config().dims();
+  slot_io(self, "load_state", "state", state, Access::kRead, stream, Elem::kF32,
+          {d.heads, d.rows, d.cols}, kStateLayout, [&](void* p, void* s) {
+            return state_cache_load_state(*self.cache, layer, slot, static_cast<float*>(p), s);
+          });
 }
 
 void export_state(PyCache& self, int layer, int slot, nb::handle out, nb::handle stream) {
-  state_io(self, "export_state", "out", out, Access::kWrite, stream, [&](float* p, void* s) {
-    return state_cache_export_state(*self.cache, layer, slot, p, s);
-  });
+  const StateDims d = self.config().dims();
+  slot_io(self, "export_state", "out", out, Access::kWrite, stream, Elem::kF32,
+          {d.heads, d.rows, d.cols}, kStateLayout, [&](void* p, void* s) {
+            return state_cache_export_state(*self.cache, layer, slot, static_cast<float*>(p), s);
+          });
+}
+
+void refuse_without_conv(const PyCache& self, const char* op) {
+  if (self.config().conv_kernel == 0) {
+    raise_value(std::string(op) + ": the cache has no conv window (conv_kernel = 0)");
+  }
+}
+
+void load_conv_window(PyCache& self, int layer, int slot, nb::handle window, nb::handle stream) {
+  const StateCacheConfig& c = self.config();
+  refuse_without_conv(self, "load_conv_window");
+  slot_io(self, "load_conv_window", "window", window, Access::kRead, stream,
+          elem_of(c.input_dtype), {c.conv_kernel - 1, c.conv_channels()}, kConvLayout,
+          [&](void* p, void* s) {
+            return state_cache_load_conv_window(*self.cache, layer, slot, p, s);
+          });
+}
+
+void export_conv_window(PyCache& self, int layer, int slot, nb::handle out, nb::handle stream) {
+  const StateCacheConfig& c = self.config();
+  refuse_without_conv(self, "export_conv_window");
+  slot_io(self, "export_conv_window", "out", out, Access::kWrite, stream, elem_of(c.input_dtype),
+          {c.conv_kernel - 1, c.conv_channels()}, kConvLayout, [&](void* p, void* s) {
+            return state_cache_export_conv_window(*self.cache, layer, slot, p, s);
+          });
 }
 
 void commit(PyCache& self, nb::handle slot_ids, nb::handle accepted, nb::handle stream,
@@ -191,7 +224,7 @@ PyConfig make_config(const std::string& kind, std::int64_t d0, std::int64_t d1, 
                      std::int64_t d3, int num_layers, int capacity, int buffer_len,
                      int max_spec_tokens, const std::string& checkpoint, const std::string& mode,
                      const std::string& input_dtype, const std::string& state_dtype,
-                     const std::string& device, bool share_forked_checkpoints) {
+                     const std::string& device, bool share_forked_checkpoints, int conv_kernel) {
   static constexpr std::pair<const char*, LayerKind> kKinds[] = {{"mamba2", LayerKind::kMamba2},
                                                                  {"gdn", LayerKind::kGdn}};
   static constexpr std::pair<const char*, DecodeMode> kModes[] = {{"replay", DecodeMode::kReplay},
@@ -223,6 +256,7 @@ PyConfig make_config(const std::string& kind, std::int64_t d0, std::int64_t d1, 
   c.state_dtype = parse_choice("state_dtype", state_dtype, kActivationDtypes);
   c.device = parse_choice("device", device, kDevices);
   c.share_forked_checkpoints = share_forked_checkpoints;
+  c.conv_kernel = conv_kernel;
   check(state_cache_buffers(c, &out.specs));
   return out;
 }
@@ -303,16 +337,16 @@ void bind_cache(nb::module_& m) {
                        std::int64_t d3, int num_layers, int capacity, int buffer_len,
                        int max_spec_tokens, const std::string& checkpoint, const std::string& mode,
                        const std::string& input_dtype, const std::string& state_dtype,
-                       const std::string& device, bool share_forked_checkpoints) {
+                       const std::string& device, bool share_forked_checkpoints, int conv_kernel) {
              return make_config(kind, d0, d1, d2, d3, num_layers, capacity, buffer_len,
                                 max_spec_tokens, checkpoint, mode, input_dtype, state_dtype, device,
-                                share_forked_checkpoints);
+                                share_forked_checkpoints, conv_kernel);
            }),
            nb::arg("kind"), nb::arg("d0"), nb::arg("d1"), nb::arg("d2"), nb::arg("d3"),
            nb::arg("num_layers"), nb::arg("capacity"), nb::arg("buffer_len"),
            nb::arg("max_spec_tokens"), nb::arg("checkpoint"), nb::arg("mode"),
            nb::arg("input_dtype"), nb::arg("state_dtype"), nb::arg("device"),
-           nb::arg("share_forked_checkpoints") = false)
+           nb::arg("share_forked_checkpoints") = false, nb::arg("conv_kernel") = 0)
       .def("buffers",
            [](const PyConfig& c) {
              std::vector<std::tuple<std::string, std::string, std::vector<std::int64_t>,
@@ -357,6 +391,11 @@ void bind_cache(nb::module_& m) {
            nb::arg("stream").none())
       .def("export_state", &export_state, nb::arg("layer"), nb::arg("slot"), nb::arg("out"),
            nb::arg("stream").none())
+      // None arrays reach the functions, which refuse a cache without a conv first.
+      .def("load_conv_window", &load_conv_window, nb::arg("layer"), nb::arg("slot"),
+           nb::arg("window").none(), nb::arg("stream").none())
+      .def("export_conv_window", &export_conv_window, nb::arg("layer"), nb::arg("slot"),
+           nb::arg("out").none(), nb::arg("stream").none())
       .def("commit", &commit, nb::arg("slot_ids"), nb::arg("accepted"), nb::arg("stream").none(),
            nb::arg("buffers").none())
       .def("fold", &fold, nb::arg("slot_ids"), nb::arg("stream").none(), nb::arg("buffers").none())

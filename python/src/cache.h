@@ -31,7 +31,7 @@ PyConfig make_config(const std::string& kind, std::int64_t d0, std::int64_t d1, 
                      std::int64_t d3, int num_layers, int capacity, int buffer_len,
                      int max_spec_tokens, const std::string& checkpoint, const std::string& mode,
                      const std::string& input_dtype, const std::string& state_dtype,
-                     const std::string& device, bool share_forked_checkpoints);
+                     const std::string& device, bool share_forked_checkpoints, int conv_kernel);
 
 const char* python_dtype_name(DType dtype);  ///< "float32", "bfloat16", ..., "uint32"
 

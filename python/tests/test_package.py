@@ -11,18 +11,19 @@ from conftest import config
 
 
 def test_public_names():
-    assert set(replayssm.__all__) == {"BufferSpec", "CacheConfig", "CacheRecords", "StateCache",
-                                      "cache_buffers", "cuda_available", "gdn_decode",
-                                      "mamba2_decode"}
+    assert set(replayssm.__all__) == {"BufferSpec", "CacheConfig", "CacheRecords", "ConvInputs",
+                                      "StateCache", "cache_buffers", "cuda_available",
+                                      "gdn_decode", "mamba2_decode"}
     for name in ("allocate", "free", "load_state", "export_state", "commit", "fold",
-                 "materialize", "read_records", "restore", "fork", "truncate"):
+                 "materialize", "read_records", "restore", "fork", "truncate",
+                 "load_conv_window", "export_conv_window"):
         assert callable(getattr(replayssm.StateCache, name))
     assert list(inspect.signature(replayssm.mamba2_decode).parameters) == [
         "cache", "layer", "slot_ids", "x", "dt", "B", "C", "A", "D", "dt_bias", "z", "out",
-        "stream"]
+        "stream", "conv"]
     assert list(inspect.signature(replayssm.gdn_decode).parameters) == [
         "cache", "layer", "slot_ids", "q", "k", "v", "g", "beta", "scale", "qk_l2norm", "out",
-        "stream"]
+        "stream", "conv"]
 
 
 def stub_names(tree):
