@@ -48,8 +48,9 @@ class StateCache:
         """Writes the records of positions first .. first + vec.shape[1] - 1."""
     def restore(self, slot: int, position: int, states: Any, vec: Any | None, key: Any | None,
                 key_scale: Any | None, write: Any | None, decay: Any | None, stream: Any,
-                buffers: Sequence[Any] | None) -> None:
-        """states float32 [num_layers, heads, rows, cols]; records all None for none."""
+                buffers: Sequence[Any] | None, conv_window: Any | None = None) -> None:
+        """states float32 [num_layers, heads, rows, cols]; records all None for none;
+        conv_window [num_layers, conv_kernel - 1, conv_channels] (conv caches)."""
     def fork(self, src_slots: Any, dst_slots: Any, positions: Any, stream: Any,
              buffers: Sequence[Any] | None) -> None: ...
     def truncate(self, slot_ids: Any, positions: Any, stream: Any,

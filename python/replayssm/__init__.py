@@ -411,7 +411,7 @@ class StateCache:
         return out
 
     def restore(self, slot: int, position: int, states: Any, records: CacheRecords | None = None,
-                *, stream: Any = None) -> None:
+                *, stream: Any = None, conv_window: Any = None) -> None:
         """Loads a stored entry into an allocated ``slot``, replacing everything of it: every
         layer's checkpoint from ``states`` (float32 [num_layers, *config.state_shape], finite;
         a low copy is rounded from it as a fold rounds), the slot's cursors at ``position``
@@ -420,10 +420,13 @@ class StateCache:
         the entry was taken from. Refused with nothing written: a slot not allocated or with an
         uncommitted window, a non-finite state, more records than a slot holds
         (buffer_len - 1 + max_spec_tokens), arrays of the wrong shape or dtype. Synchronises the
-        stream on CUDA caches (not capturable in a CUDA graph)."""
+        stream on CUDA caches (not capturable in a CUDA graph). A conv cache also takes every
+        layer's conv window at the restored committed end (``conv_window`` [num_layers,
+        *config.conv_window_shape], as :meth:`load_conv_window` takes one layer's); other
+        caches refuse it."""
         fields = (None,) * 5 if records is None else tuple(records)
         self._native.restore(slot, position, states, *fields,
-                             self._array_stream(stream, states), None)
+                             self._array_stream(stream, states), None, conv_window)
 
     def fork(self, src_slots: Any, dst_slots: Any, positions: Any, *, stream: Any = None) -> Any:
         """Makes slot ``dst_slots[b]`` a copy of slot ``src_slots[b]`` at ``positions[b]``

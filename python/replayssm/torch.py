@@ -165,12 +165,15 @@ class StateCache(_StateCache):
         return out
 
     def restore(self, slot: int, position: int, states: torch.Tensor,
-                records: Optional[CacheRecords] = None, *, stream: Any = None) -> None:
+                records: Optional[CacheRecords] = None, *, stream: Any = None,
+                conv_window: Optional[torch.Tensor] = None) -> None:
         if not _is_compiling():
-            return super().restore(slot, position, states, records, stream=stream)
+            return super().restore(slot, position, states, records, stream=stream,
+                                   conv_window=conv_window)
         _no_stream_when_compiling(stream)
         fields = (None,) * 5 if records is None else tuple(records)
-        torch.ops.replayssm.restore(self._id, slot, position, states, *fields, self._buffer_list)
+        torch.ops.replayssm.restore(self._id, slot, position, states, *fields, self._buffer_list,
+                                    conv_window)
 
     def fork(self, src_slots: torch.Tensor, dst_slots: Optional[torch.Tensor],
              positions: torch.Tensor, *, stream: Any = None) -> torch.Tensor:
@@ -324,10 +327,11 @@ _read_records_op.register_fake(_returns_nothing)
 def _restore_op(cache: int, slot: int, position: int, states: torch.Tensor,
                 vec: Optional[torch.Tensor], key: Optional[torch.Tensor],
                 key_scale: Optional[torch.Tensor], write: Optional[torch.Tensor],
-                decay: Optional[torch.Tensor], buffers: List[torch.Tensor]) -> None:
+                decay: Optional[torch.Tensor], buffers: List[torch.Tensor],
+                conv_window: Optional[torch.Tensor] = None) -> None:
     """StateCache.restore on the cache with id ``cache`` (records all None for none)."""
     _cache(cache)._native.restore(slot, position, states, vec, key, key_scale, write, decay,
-                                  _current_stream(states), buffers)
+                                  _current_stream(states), buffers, conv_window)
 
 
 _restore_op.register_fake(_returns_nothing)

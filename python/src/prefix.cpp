@@ -179,7 +179,7 @@ void read_records(PyCache& self, int slot, std::int64_t first, nb::handle vec, n
 
 void restore(PyCache& self, int slot, std::int64_t position, nb::handle states, nb::handle vec,
              nb::handle key, nb::handle key_scale, nb::handle write, nb::handle decay,
-             nb::handle stream, nb::handle buffers) {
+             nb::handle stream, nb::handle buffers, nb::handle conv_window) {
   constexpr const char* op = "restore";
   require_replay(self, [&] { return state_cache_restore(*self.cache, {}); });
   RestoreArgs args;
@@ -196,6 +196,16 @@ void restore(PyCache& self, int slot, std::int64_t position, nb::handle states, 
   if (!no_records) {
     args.records =
         read_record_arrays(reader, self, op, vec, key, key_scale, write, decay, Access::kRead);
+  }
+  // Conv caches need it and others refuse it: the library says so; the shape is checked here.
+  if (!conv_window.is_none()) {
+    const StateCacheConfig& c = self.config();
+    const Array w = reader.read(conv_window, op, "conv_window", Access::kRead);
+    if (c.conv_kernel > 0) {
+      expect(op, w, elem_of(c.input_dtype), {c.num_layers, c.conv_kernel - 1, c.conv_channels()},
+             "([num_layers, conv_kernel - 1, conv_channels])", c.device, self.device_id);
+    }
+    args.conv_window = w.data;
   }
   void* s = op_stream(self, stream, reader, st);
   std::unique_ptr<StateCache> holder;
@@ -241,7 +251,7 @@ void bind_prefix(nb::class_<PyCache>& cls) {
       .def("restore", &restore, nb::arg("slot"), nb::arg("position"), nb::arg("states"),
            nb::arg("vec").none(), nb::arg("key").none(), nb::arg("key_scale").none(),
            nb::arg("write").none(), nb::arg("decay").none(), nb::arg("stream").none(),
-           nb::arg("buffers").none())
+           nb::arg("buffers").none(), nb::arg("conv_window").none() = nb::none())
       .def("fork", &fork, nb::arg("src_slots"), nb::arg("dst_slots"), nb::arg("positions"),
            nb::arg("stream").none(), nb::arg("buffers").none())
       .def("truncate", &truncate, nb::arg("slot_ids"), nb::arg("positions"),

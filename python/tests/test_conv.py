@@ -240,3 +240,27 @@ def test_torch_cache_takes_a_slice_of_a_projection(rng):
         np.testing.assert_array_equal(b.numpy(), a)
         numpy_cache.commit(ids, np.ones(1, np.int32))
         torch_cache.commit(t(ids), torch.ones(1, dtype=torch.int32))
+
+
+def test_restore_takes_every_layers_conv_window(rng):
+    cfg = config("mamba2", conv_kernel=K, num_layers=2, buffer_len=4)
+    cache = replayssm.StateCache(cfg)
+    s = cache.allocate()
+    states = (0.3 * rng.standard_normal((2, *cfg.state_shape))).astype(np.float32)
+    windows = rng.standard_normal((2, *cfg.conv_window_shape)).astype(np.float32)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="conv_window is null"):
+        cache.restore(s, 5, states)
+    with pytest.raises(ValueError, match="conv_kernel - 1"):
+        cache.restore(s, 5, states, conv_window=windows[:, 1:])
+    assert_same_bytes(snapshot(cache), before)
+    cache.restore(s, 5, states, conv_window=windows)
+    for layer in range(2):
+        assert np.array_equal(cache.export_conv_window(layer, s), windows[layer])
+        np.testing.assert_array_equal(cache.export_state(layer, s), states[layer])
+    plain = replayssm.StateCache(config("mamba2", num_layers=2, buffer_len=4))
+    p = plain.allocate()
+    plain_before = snapshot(plain)
+    with pytest.raises(ValueError, match="no conv window"):
+        plain.restore(p, 5, states, conv_window=windows)
+    assert_same_bytes(snapshot(plain), plain_before)
