@@ -62,6 +62,19 @@ class DecodeCall {
     return out;
   }
 
+  /// The window: on a conv cache its pre-conv inputs (into `conv`; `first_h` must be None),
+  /// else the first activation, whose pointer it returns (null on a conv cache). Gives T.
+  const void* window(nb::handle first_h, const char* name, std::int64_t heads, std::int64_t dim,
+                     const char* layout, nb::handle conv_in, nb::handle conv_weight,
+                     nb::handle conv_bias, ConvInputs* conv_out) {
+    if (conv_cache()) {
+      *conv_out = conv(conv_in, conv_weight, conv_bias);
+      return after_conv(first_h, name, heads, dim, layout);  // None, or refused
+    }
+    refuse_conv(conv_in);
+    return first(first_h, name, heads, dim, layout);
+  }
+
   /// A cache without a conv refuses pre-conv inputs.
   void refuse_conv(nb::handle in) const {
     if (!in.is_none()) {
@@ -150,13 +163,8 @@ void mamba2_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle x, 
   constexpr const char* kGroups = "([batch, T, ngroups, dstate])";
   DecodeCall call(self, "mamba2_decode", slot_ids, "x, B, C");
   Mamba2DecodeArgs args;
-  if (call.conv_cache()) {
-    args.conv = call.conv(conv_in, conv_weight, conv_bias);
-    call.after_conv(x, "x", s.nheads, s.head_dim, kHeads);  // None, or refused
-  } else {
-    call.refuse_conv(conv_in);
-    args.x = call.first(x, "x", s.nheads, s.head_dim, kHeads);
-  }
+  args.x = call.window(x, "x", s.nheads, s.head_dim, kHeads, conv_in, conv_weight, conv_bias,
+                       &args.conv);
   args.layer = layer;
   args.batch = static_cast<int>(call.batch);
   args.num_tokens = static_cast<int>(call.T);
@@ -186,13 +194,8 @@ void gdn_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle q, nb:
   constexpr const char* kScalars = "([batch, T, num_v_heads])";
   DecodeCall call(self, "gdn_decode", slot_ids, "q, k, v");
   GdnDecodeArgs args;
-  if (call.conv_cache()) {
-    args.conv = call.conv(conv_in, conv_weight, conv_bias);
-    call.after_conv(q, "q", s.num_k_heads, s.head_k_dim, kKeys);  // None, or refused
-  } else {
-    call.refuse_conv(conv_in);
-    args.q = call.first(q, "q", s.num_k_heads, s.head_k_dim, kKeys);
-  }
+  args.q = call.window(q, "q", s.num_k_heads, s.head_k_dim, kKeys, conv_in, conv_weight,
+                       conv_bias, &args.conv);
   args.layer = layer;
   args.batch = static_cast<int>(call.batch);
   args.num_tokens = static_cast<int>(call.T);
