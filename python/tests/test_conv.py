@@ -264,3 +264,71 @@ def test_restore_takes_every_layers_conv_window(rng):
     with pytest.raises(ValueError, match="no conv window"):
         plain.restore(p, 5, states, conv_window=windows)
     assert_same_bytes(snapshot(plain), plain_before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_cuda_conv_cache_equals_the_cpu_one(kind, rng):
+    """The same stream through a CUDA conv cache (replayssm.torch, device tensors, pre-conv
+    inputs a slice of a projection output) and the CPU one checked above; the CUDA step also
+    under torch.compile(fullgraph=True), on its own cache, with the same bytes."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import replayssm.torch as rt
+
+    common = dict(num_layers=1, buffer_len=4, max_spec_tokens=2, conv_kernel=K)
+    # Real head sizes: the tuned CUDA kernels take conv caches (the generic ones refuse them).
+    shape = (dict(num_heads=8, head_dim=64, state_dim=128, num_groups=2) if kind == "mamba2"
+             else dict(num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128))
+    cpu_cfg = replayssm.CacheConfig(kind=kind, capacity=4, **shape, **common)
+    cuda_cfg = replayssm.CacheConfig(kind=kind, capacity=4, device="cuda", **shape, **common)
+    cpu, gpu, compiled = (replayssm.StateCache(cpu_cfg), rt.StateCache(cuda_cfg),
+                          rt.StateCache(cuda_cfg))
+    C, batch, T = cpu_cfg.conv_channels, 2, 2
+    slots = [cpu.allocate() for _ in range(batch)]
+    for cache in (gpu, compiled):
+        assert [cache.allocate() for _ in range(batch)] == slots
+    dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    for s in slots:
+        state = (0.3 * rng.standard_normal(cpu_cfg.state_shape)).astype(np.float32)
+        window = rng.standard_normal(cpu_cfg.conv_window_shape).astype(np.float32)
+        cpu.load_state(0, s, state)
+        cpu.load_conv_window(0, s, window)
+        for cache in (gpu, compiled):
+            cache.load_state(0, s, dev(state))
+            cache.load_conv_window(0, s, dev(window))
+    weight = (0.5 * rng.standard_normal((C, K))).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(C)).astype(np.float32)
+    ids = np.array(slots, np.int32)
+    p = layer_params(cpu_cfg, rng)[0] if kind == "mamba2" else None
+
+    def step(cache, ids, proj, weight, bias, extra, accepted):
+        conv = replayssm.ConvInputs(proj[..., 3:3 + C], weight, bias)
+        if kind == "mamba2":
+            y = replayssm.mamba2_decode(cache, 0, ids, None, extra[0], None, None, *extra[1:],
+                                        conv=conv)
+        else:
+            y = replayssm.gdn_decode(cache, 0, ids, None, None, None, *extra, conv=conv)
+        cache.commit(ids, accepted)
+        return y
+
+    compiled_step = torch.compile(step, fullgraph=True)
+    worst = 0.0
+    for _ in range(12):
+        proj = rng.standard_normal((batch, T, C + 8)).astype(np.float32)
+        if kind == "mamba2":
+            given, _ = mamba2_inputs(cpu_cfg, rng, batch, T, gate=False)
+            extra = (given["dt"], p.A, p.D, p.dt_bias)
+        else:
+            given, _ = gdn_inputs(cpu_cfg, rng, batch, T)
+            extra = (given["g"], given["beta"])
+        accepted = rng.integers(1, T + 1, batch).astype(np.int32)
+        want = step(cpu, ids, proj, weight, bias, extra, accepted)
+        args = (dev(ids), dev(proj), dev(weight), dev(bias), tuple(dev(e) for e in extra),
+                dev(accepted))
+        got = step(gpu, *args)
+        assert torch.equal(compiled_step(compiled, *args), got)
+        got = got.cpu().numpy()
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    assert worst <= 1e-5
