@@ -26,42 +26,6 @@ class DecodeCall {
 
   [[nodiscard]] bool conv_cache() const { return self_.config().conv_kernel > 0; }
 
-  /// The window's first activation [batch, T, heads, dim] (a cache without a conv): gives T.
-  const void* first(nb::handle h, const char* name, std::int64_t heads, std::int64_t dim,
-                    const char* layout) {
-    if (h.is_none()) raise_value(std::string(op_) + ": " + name + " is required");
-    first_ = reader_.read(h, op_, name, Access::kRead);
-    T = dim_of(op_, first_, 4, 1, layout);
-    check_array(first_, act_, {batch, T, heads, dim}, layout);
-    return first_.data;
-  }
-
-  /// A conv cache's pre-conv inputs [batch, T, conv_channels] (token rows: a column slice of
-  /// the in-projection's output), its conv1d weight float32 [conv_channels, conv_kernel] and
-  /// bias [conv_channels] or None: gives T.
-  ConvInputs conv(nb::handle in, nb::handle weight, nb::handle bias) {
-    if (in.is_none() || weight.is_none()) {
-      raise_value(std::string(op_) + ": a conv cache needs conv_in and conv_weight");
-    }
-    const StateCacheConfig& c = self_.config();
-    const std::int64_t C = c.conv_channels(), K = c.conv_kernel;
-    constexpr const char* kLayout = "([batch, T, conv_channels])";
-    first_ = reader_.read(in, op_, "conv_in", Access::kRead);
-    T = dim_of(op_, first_, 3, 1, kLayout);
-    expect(op_, first_, act_, {batch, T, C}, kLayout, c.device, self_.device_id,
-           Placement::kCacheDevice, Contiguity::kTokenRows);
-    ConvInputs out;
-    out.in = first_.data;
-    out.stride = token_row_stride(first_);
-    out.weight = static_cast<const float*>(
-        read(weight, "conv_weight", Elem::kF32, {C, K}, "([conv_channels, conv_kernel])"));
-    if (!bias.is_none()) {
-      out.bias = static_cast<const float*>(
-          read(bias, "conv_bias", Elem::kF32, {C}, "([conv_channels])"));
-    }
-    return out;
-  }
-
   /// The window: on a conv cache its pre-conv inputs (into `conv`; `first_h` must be None),
   /// else the first activation, whose pointer it returns (null on a conv cache). Gives T.
   const void* window(nb::handle first_h, const char* name, std::int64_t heads, std::int64_t dim,
@@ -73,14 +37,6 @@ class DecodeCall {
     }
     refuse_conv(conv_in);
     return first(first_h, name, heads, dim, layout);
-  }
-
-  /// A cache without a conv refuses pre-conv inputs.
-  void refuse_conv(nb::handle in) const {
-    if (!in.is_none()) {
-      raise_value(std::string(op_) + ": conv_in needs a cache with conv_kernel > 0; this one "
-                  "takes " + inputs_ + " after the conv");
-    }
   }
 
   /// Further activations after the conv (x's B and C, GDN's k and v): None on a conv cache.
@@ -132,6 +88,50 @@ class DecodeCall {
   std::int64_t T = 0;
 
  private:
+  /// The window's first activation [batch, T, heads, dim] (a cache without a conv): gives T.
+  const void* first(nb::handle h, const char* name, std::int64_t heads, std::int64_t dim,
+                    const char* layout) {
+    if (h.is_none()) raise_value(std::string(op_) + ": " + name + " is required");
+    first_ = reader_.read(h, op_, name, Access::kRead);
+    T = dim_of(op_, first_, 4, 1, layout);
+    check_array(first_, act_, {batch, T, heads, dim}, layout);
+    return first_.data;
+  }
+
+  /// A conv cache's pre-conv inputs [batch, T, conv_channels] (token rows: a column slice of
+  /// the in-projection's output), its conv1d weight float32 [conv_channels, conv_kernel] and
+  /// bias [conv_channels] or None: gives T.
+  ConvInputs conv(nb::handle in, nb::handle weight, nb::handle bias) {
+    if (in.is_none() || weight.is_none()) {
+      raise_value(std::string(op_) + ": a conv cache needs conv_in and conv_weight");
+    }
+    const StateCacheConfig& c = self_.config();
+    const std::int64_t C = c.conv_channels(), K = c.conv_kernel;
+    constexpr const char* kLayout = "([batch, T, conv_channels])";
+    first_ = reader_.read(in, op_, "conv_in", Access::kRead);
+    T = dim_of(op_, first_, 3, 1, kLayout);
+    expect(op_, first_, act_, {batch, T, C}, kLayout, c.device, self_.device_id,
+           Placement::kCacheDevice, Contiguity::kTokenRows);
+    ConvInputs out;
+    out.in = first_.data;
+    out.stride = token_row_stride(first_);
+    out.weight = static_cast<const float*>(
+        read(weight, "conv_weight", Elem::kF32, {C, K}, "([conv_channels, conv_kernel])"));
+    if (!bias.is_none()) {
+      out.bias = static_cast<const float*>(
+          read(bias, "conv_bias", Elem::kF32, {C}, "([conv_channels])"));
+    }
+    return out;
+  }
+
+  /// A cache without a conv refuses pre-conv inputs.
+  void refuse_conv(nb::handle in) const {
+    if (!in.is_none()) {
+      raise_value(std::string(op_) + ": conv_in needs a cache with conv_kernel > 0; this one "
+                  "takes " + inputs_ + " after the conv");
+    }
+  }
+
   const void* read(nb::handle h, const char* name, Elem elem,
                    std::initializer_list<std::int64_t> shape, const char* layout,
                    Access access = Access::kRead) {
