@@ -356,11 +356,11 @@ Status conv_window_call(StateCache& cache, int layer, int slot, const void* wind
                         const char* op, Stream stream, std::uint32_t* committed) {
   REPLAYSSM_RETURN_IF_ERROR(validate_layer(cache, layer));
   REPLAYSSM_RETURN_IF_ERROR(validate_slot(cache, slot));
-  if (window == nullptr) return invalid_argument(std::string(op) + ": window is null");
   const StateCacheLayout& l = cache.layout();
   if (l.conv_window == nullptr) {
     return invalid_argument(std::string(op) + ": the cache has no conv window (conv_kernel = 0)");
   }
+  if (window == nullptr) return invalid_argument(std::string(op) + ": window is null");
   return memory_to_host(l.config.device, committed, l.committed + slot, sizeof(std::uint32_t),
                         stream);
 }

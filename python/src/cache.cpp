@@ -122,15 +122,10 @@ void export_state(PyCache& self, int layer, int slot, nb::handle out, nb::handle
           });
 }
 
-void refuse_without_conv(const PyCache& self, const char* op) {
-  if (self.config().conv_kernel == 0) {
-    raise_value(std::string(op) + ": the cache has no conv window (conv_kernel = 0)");
-  }
-}
-
+// A cache without a conv window: the library's refusal (its window's shape does not exist).
 void load_conv_window(PyCache& self, int layer, int slot, nb::handle window, nb::handle stream) {
   const StateCacheConfig& c = self.config();
-  refuse_without_conv(self, "load_conv_window");
+  if (c.conv_kernel == 0) check(state_cache_load_conv_window(*self.cache, layer, slot, nullptr));
   slot_io(self, "load_conv_window", "window", window, Access::kRead, stream,
           elem_of(c.input_dtype), {c.conv_kernel - 1, c.conv_channels()}, kConvLayout,
           [&](void* p, void* s) {
@@ -140,7 +135,7 @@ void load_conv_window(PyCache& self, int layer, int slot, nb::handle window, nb:
 
 void export_conv_window(PyCache& self, int layer, int slot, nb::handle out, nb::handle stream) {
   const StateCacheConfig& c = self.config();
-  refuse_without_conv(self, "export_conv_window");
+  if (c.conv_kernel == 0) check(state_cache_export_conv_window(*self.cache, layer, slot, nullptr));
   slot_io(self, "export_conv_window", "out", out, Access::kWrite, stream, elem_of(c.input_dtype),
           {c.conv_kernel - 1, c.conv_channels()}, kConvLayout, [&](void* p, void* s) {
             return state_cache_export_conv_window(*self.cache, layer, slot, p, s);
@@ -391,7 +386,7 @@ void bind_cache(nb::module_& m) {
            nb::arg("stream").none())
       .def("export_state", &export_state, nb::arg("layer"), nb::arg("slot"), nb::arg("out"),
            nb::arg("stream").none())
-      // None arrays reach the functions, which refuse a cache without a conv first.
+      // None arrays reach the functions: a cache without a conv is refused before they are read.
       .def("load_conv_window", &load_conv_window, nb::arg("layer"), nb::arg("slot"),
            nb::arg("window").none(), nb::arg("stream").none())
       .def("export_conv_window", &export_conv_window, nb::arg("layer"), nb::arg("slot"),

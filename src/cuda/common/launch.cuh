@@ -11,6 +11,8 @@
 
 #include <cuda_runtime.h>
 
+#include <unordered_map>
+
 #include "cuda/common/check.cuh"
 #include "replayssm/status.h"
 
@@ -35,12 +37,19 @@ __device__ __forceinline__ void allow_dependents() {
 /// Lets `kernel` launch with `dynamic_bytes` of dynamic shared memory. A block may take 48 KB
 /// without opting in, its static shared memory included (the replay kernels have some:
 /// fold_order.cuh), so the opt-in is decided on the sum; below it the driver call is skipped.
+/// The static size is fixed when the kernel is compiled: asked once per kernel and thread.
 template <typename Params>
 Status allow_dynamic_smem(void (*kernel)(Params), int dynamic_bytes, const char* name) {
   constexpr int kSmemWithoutOptIn = 48 * 1024;
-  cudaFuncAttributes attributes{};
-  REPLAYSSM_RETURN_IF_ERROR(cuda_status(cudaFuncGetAttributes(&attributes, kernel), name));
-  if (int(attributes.sharedSizeBytes) + dynamic_bytes <= kSmemWithoutOptIn) return Status::ok();
+  static thread_local std::unordered_map<const void*, int> static_bytes;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  auto known = static_bytes.find(key);
+  if (known == static_bytes.end()) {
+    cudaFuncAttributes attributes{};
+    REPLAYSSM_RETURN_IF_ERROR(cuda_status(cudaFuncGetAttributes(&attributes, kernel), name));
+    known = static_bytes.emplace(key, int(attributes.sharedSizeBytes)).first;
+  }
+  if (known->second + dynamic_bytes <= kSmemWithoutOptIn) return Status::ok();
   return cuda_status(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_bytes),
       name);
