@@ -168,6 +168,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(OracleCase{CheckpointPrecision::kFp32, DType::kF32, 1, kSmall},
                       OracleCase{CheckpointPrecision::kFp32, DType::kF32, 4, kSmall},
                       OracleCase{CheckpointPrecision::kFp32, DType::kF32, 3, kOdd},
+                      OracleCase{CheckpointPrecision::kFp32, DType::kF32, 2, kSmall},
+                      OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 5, kOdd},
                       OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 1, kSmall},
                       OracleCase{CheckpointPrecision::kBf16, DType::kBF16, 4, kSmall},
                       OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4, kSmall}),

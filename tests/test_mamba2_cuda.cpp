@@ -157,9 +157,14 @@ TEST_P(Mamba2CudaOracle, ReplayMatchesOracleAndPlainDecoding) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, Mamba2CudaOracle,
+    // Windows of 3, 6 and 7 take every run length of the window kernel's sums (4, 2, 1) and
+    // output pass (4, 3, 2).
     ::testing::Values(OracleCase{CheckpointPrecision::kFp32, DType::kF32, 1},
                       OracleCase{CheckpointPrecision::kFp32, DType::kF32, 4},
+                      OracleCase{CheckpointPrecision::kFp32, DType::kF32, 3},
+                      OracleCase{CheckpointPrecision::kFp32, DType::kF32, 6},
                       OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 1},
+                      OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 7},
                       OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4}),
     ::testing::PrintToStringParamName());
 

@@ -230,6 +230,41 @@ __device__ __forceinline__ float group_sum(float v) {
   for (int o = kLanes / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+/// The sums over an aligned group of 8 lanes of kN values at once (kN = 2 or 4): lane bits 2
+/// (and 1, for kN = 4) pick which sum a lane ends with, group_sum8_scatter_index<kN>(lane) of them.
+/// Each exchange halves what a lane carries: 4 shuffles for kN = 4 and 3 for kN = 2, where kN
+/// group_sum<8> calls take 12 and 6. Every sum adds the same pairs in the same order as
+/// group_sum<8> (lane ^ 4, then ^ 2, then ^ 1), so the results are bit-identical to it.
+template <int kN>
+__device__ __forceinline__ float group_sum8_scatter(const float (&v)[kN]) {
+  static_assert(kN == 2 || kN == 4, "2 or 4 sums");
+  const int lane = threadIdx.x % 32;
+  const bool hi4 = (lane & 4) != 0;
+  float m;
+  if constexpr (kN == 4) {
+    // lanes without bit 2 keep sums 0 and 1, the others 2 and 3
+    float keep[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float send = hi4 ? v[i] : v[i + 2];
+      keep[i] = (hi4 ? v[i + 2] : v[i]) + __shfl_xor_sync(0xffffffffu, send, 4);
+    }
+    const bool hi2 = (lane & 2) != 0;
+    const float send = hi2 ? keep[0] : keep[1];
+    m = (hi2 ? keep[1] : keep[0]) + __shfl_xor_sync(0xffffffffu, send, 2);
+  } else {
+    const float send = hi4 ? v[0] : v[1];
+    m = (hi4 ? v[1] : v[0]) + __shfl_xor_sync(0xffffffffu, send, 4);
+    m += __shfl_xor_sync(0xffffffffu, m, 2);
+  }
+  return m + __shfl_xor_sync(0xffffffffu, m, 1);
+}
+/// Which of group_sum8_scatter<kN>'s sums a lane holds.
+template <int kN>
+__device__ __forceinline__ int group_sum8_scatter_index(int lane) {
+  return kN == 4 ? ((lane >> 1) & 3) : ((lane >> 2) & 1);
+}
+
 template <int kLanes>
 __device__ __forceinline__ float group_max(float v) {
 #pragma unroll

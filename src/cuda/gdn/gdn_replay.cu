@@ -232,7 +232,8 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
 
 /// Phase 2: the adjoint walks (§4) of window positions 0..T-1 for local heads h_lo..h_hi, one
 /// warp per walk; records [stop, hist + t] newest first (stop = hist after a fold: the history
-/// is in the checkpoint then). Writes s_tq and s_oring.
+/// is in the checkpoint then). Writes s_tq and s_oring. Lane l holds columns l, l + 32, ...:
+/// the single-token kernel's walk (walk_window is the verify windows').
 template <typename input_t>
 __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, int h_lo,
                                      int h_hi, unsigned char* smem) {
@@ -287,6 +288,84 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
   }
 }
 
+/// Phase 2 of a verify window (T >= 2): walk()'s arithmetic, but a lane holds kWalkPerLane
+/// contiguous columns: one vector load of a key or value record and one bounds check, instead
+/// of kWalkPerLane strided loads each behind its own check (the walks were a quarter of a
+/// 4-token window's time). K is a multiple of 16 on this kernel; a V that is not a multiple of
+/// kWalkPerLane takes its values element by element. (The single-token kernel keeps walk():
+/// the build that used this one everywhere ran some single-token steps slower.)
+template <typename input_t>
+__device__ __forceinline__ void walk_window(const ReplayParams& p, int hist, int stop,
+                                            int h_lo, int h_hi, unsigned char* smem) {
+  static_assert(kWalkPerLane == 4 && kWalkPerLane * 32 == kMaxHeadKDim,
+                "a warp covers a key row, a lane one float4 of it");
+  const StateCacheLayout& l = p.cache;
+  const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key, T = p.num_tokens;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int c0 = lane * kWalkPerLane;  // this lane's columns c0 .. c0 + kWalkPerLane − 1
+  const bool key_lane = c0 < K;
+  const bool vec_whole = V % kWalkPerLane == 0 && p.smem.vec_stride % kWalkPerLane == 0;
+  float* s_f = reinterpret_cast<float*>(smem);
+  const float* s_alpha = s_f + p.smem.alpha;
+  const float* s_beta = s_f + p.smem.beta;
+  const float* s_kscale = s_f + p.smem.kscale;
+  const auto* s_key = reinterpret_cast<const input_t*>(smem + p.smem.key_bytes);
+  const auto* s_vec = reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes);
+  using Vec = Packed<input_t, kWalkPerLane>;
+  const int nh = h_hi - h_lo + 1;
+  for (int id = warp; id < T * nh; id += blockDim.x / 32) {
+    const int t = id / nh;
+    const int h = h_lo + (id - t * nh);
+    float q[kWalkPerLane], acc[kWalkPerLane] = {};
+    {
+      const float* qhat = s_f + p.smem.qhat + t * kMaxHeadKDim;  // zero past K
+      const float4 v = *reinterpret_cast<const float4*>(qhat + c0);
+      q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
+    }
+    for (int j = hist + t; j >= stop; --j) {
+      float kv[kWalkPerLane] = {};  // k̂_j = to_float(k_j)·scale_j, as the CPU rounds it
+      if (key_lane) {
+        Vec raw;
+        raw.load(s_key + j * K + c0);
+        raw.unpack(kv);
+        const float key_scale = s_kscale[j];
+#pragma unroll
+        for (int i = 0; i < kWalkPerLane; ++i) kv[i] *= key_scale;
+      }
+      float kq = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) kq += kv[i] * q[i];
+      kq = group_sum<32>(kq);
+      const float coeff = s_beta[j * G + h] * kq;
+      const input_t* vec = s_vec + j * p.smem.vec_stride + h * V + c0;
+      float x[kWalkPerLane] = {};
+      if (vec_whole) {
+        if (c0 < V) {
+          Vec raw;
+          raw.load(vec);
+          raw.unpack(x);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kWalkPerLane; ++i) {
+          if (c0 + i < V) x[i] = to_float(vec[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) acc[i] += coeff * x[i];
+      const float a = s_alpha[j * G + h];
+#pragma unroll
+      for (int i = 0; i < kWalkPerLane; ++i) q[i] = a * (q[i] - coeff * kv[i]);
+    }
+    *reinterpret_cast<float4*>(s_f + p.smem.tq + (t * G + h) * kMaxHeadKDim + c0) =
+        make_float4(q[0], q[1], q[2], q[3]);
+#pragma unroll
+    for (int i = 0; i < kWalkPerLane; ++i) {
+      if (c0 + i < V) s_f[p.smem.oring + (t * G + h) * V + c0 + i] = acc[i];
+    }
+  }
+}
+
 /// The local value head of row r of a key head's G·V rows (r / V without a division).
 __device__ __forceinline__ int value_head(const ReplayParams& p, int r) {
   return p.row_head_magic == 0 ? r : int(__umulhi(std::uint32_t(r), p.row_head_magic));
@@ -294,27 +373,43 @@ __device__ __forceinline__ int value_head(const ReplayParams& p, int r) {
 
 /// Phase 3 for one row (this lane's values s of the read copy, order_t layout): the T outputs
 /// o_t[row] = S_read[row]·t_t + ring part, for row v of local value head h. `out` is the row's
-/// output of token 0 (token t's is t·Hv·V further). Every lane of the warp must call it.
-template <typename input_t, typename order_t>
+/// output of token 0 (token t's is t·Hv·V further). Every lane of the warp must call it (the
+/// sums shuffle). With kScatter, verify windows sum tokens in pairs (group_sum8_scatter: half
+/// the shuffles), two lanes storing them; in fours it spilled under the 64-register cap.
+template <typename input_t, typename order_t, bool kScatter>
 __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int h, int v, input_t* out,
                                              bool active, const float (&s)[kPerLane],
                                              const float* s_f, int lane) {
   const int V = p.cache.dims.rows, Hv = p.cache.dims.heads, G = p.heads_per_key;
   const int T = p.num_tokens;
-  for (int t = 0; t < T; ++t) {
+  const auto part = [&](int t) {  // this lane's share of S_read[row]·t_t
     float q[kPerLane];
     gather_smem<order_t>(s_f + p.smem.tq + (t * G + h) * kMaxHeadKDim, lane, q);
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) dot += s[i] * q[i];
-    dot = group_sum<kRowLanes>(dot);
-    if (active && lane == 0) {
-      out[t * Hv * V] = from_float<input_t>(s_f[p.smem.oring + (t * G + h) * V + v] + dot);
+    return dot;
+  };
+  const auto store = [&](int t, float dot) {
+    out[t * Hv * V] = from_float<input_t>(s_f[p.smem.oring + (t * G + h) * V + v] + dot);
+  };
+  static_assert(kRowLanes == 8, "group_sum8_scatter sums over 8 lanes");
+  int t0 = 0;
+  if constexpr (kScatter) {
+    for (; t0 + 2 <= T; t0 += 2) {
+      const float parts[2] = {part(t0), part(t0 + 1)};
+      const float dot = group_sum8_scatter<2>(parts);
+      if (active && lane % 4 == 0) store(t0 + group_sum8_scatter_index<2>(lane), dot);
     }
+  }
+  for (; t0 < T; ++t0) {
+    const float dot = group_sum<kRowLanes>(part(t0));
+    if (active && lane == 0) store(t0, dot);
   }
 }
 
-template <typename input_t, CheckpointPrecision P, bool kConv>
+/// kWindow: the instantiation for verify windows (T >= 2), with their own walk and output sums.
+template <typename input_t, CheckpointPrecision P, bool kConv, bool kWindow>
 __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     gdn_replay_kernel(const __grid_constant__ ReplayParams p) {
   using Traits = CheckpointTypes<P>;
@@ -408,7 +503,11 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 
   // Phase 2.
   if (T > 0) {
-    walk<input_t>(p, hist, fold ? hist : 0, h_lo, h_hi, smem);
+    if constexpr (kWindow) {
+      walk_window<input_t>(p, hist, fold ? hist : 0, h_lo, h_hi, smem);
+    } else {
+      walk<input_t>(p, hist, fold ? hist : 0, h_lo, h_hi, smem);
+    }
     __syncthreads();
   }
 
@@ -437,7 +536,10 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
           for (int i = 0; i < kPerLane; ++i) s[i] = __fmul_rn(s[i], scale[u]);
         }
         const int h = min(value_head(p, r), G - 1);  // past the end: any head, nothing stored
-        emit_outputs<input_t, read_t>(p, h, r - h * V, out_rows + r, r < row_end, s, s_f, lane);
+        // pairs spilled with an fp8 read copy (ptxas, sm_90)
+        constexpr bool kPairs = kWindow && sizeof(read_t) > 1;
+        emit_outputs<input_t, read_t, kPairs>(p, h, r - h * V, out_rows + r, r < row_end, s, s_f,
+                                              lane);
       }
     }
     return;
@@ -509,8 +611,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
       const bool active = r0 + u * kRowGroups < row_end;
       checkpoint_store_cols<P, read_t>(ck, row[u], lane, active, K, s[u]);
       if (T > 0) {
-        emit_outputs<input_t, read_t>(p, h[u], row[u] - h[u] * V, out_rows + row[u], active, s[u],
-                                      s_f, lane);
+        emit_outputs<input_t, read_t, false>(p, h[u], row[u] - h[u] * V, out_rows + row[u],
+                                             active, s[u], s_f, lane);
       }
     }
   }
@@ -544,9 +646,11 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
                        " blocks per batch row, got " + std::to_string(blocks_per_row));
   }
   const dim3 grid(blocks_per_row, batch, num_layers);
-  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged.
-  auto kernel = p.in.conv.in != nullptr ? gdn_replay_kernel<input_t, P, true>
-                                        : gdn_replay_kernel<input_t, P, false>;
+  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged; so
+  // do verify windows of plain caches (T >= 2: their walks and sums, tuned for windows).
+  auto kernel = p.in.conv.in != nullptr ? gdn_replay_kernel<input_t, P, true, false>
+                : p.num_tokens >= 2     ? gdn_replay_kernel<input_t, P, false, true>
+                                        : gdn_replay_kernel<input_t, P, false, false>;
   REPLAYSSM_RETURN_IF_ERROR(allow_dynamic_smem(kernel, p.smem.bytes, "gdn_replay_kernel"));
   return launch_programmatic(kernel, grid, dim3(kThreads), p.smem.bytes, stream, p,
                              "gdn_replay_kernel");

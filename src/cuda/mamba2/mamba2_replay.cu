@@ -237,7 +237,7 @@ __device__ __forceinline__ void copy_to_global(void* gmem, const void* smem, int
 
 // Step 1b, once the staging has landed: append the window to the ring at committed + t (x of
 // this block's heads, Δ, A·Δ; B by the block holding the group's first head), and step 2.
-template <typename input_t, bool kConv>
+template <typename input_t, bool kConv, bool kWindow>
 __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed) {
   const StateCacheLayout& l = p.cache;
   const int H = l.dims.heads, G = l.dims.key_heads;
@@ -279,17 +279,45 @@ __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed
   for (int i = threadIdx.x; i < k.T * kDstate; i += blockDim.x) Cf[i] = to_float(Cs[i]);
   __syncthreads();
 
-  // B_i·C_t for the records the outputs read, once for the group: one warp per product.
+  // B_i·C_t for the records the outputs read, once for the group: a warp per product for a
+  // single token; 8 lanes per product in a verify window, a warp taking 4 records of one token
+  // at a time (a warp per product with its index divided out was 9% of a 4-token window's
+  // instructions).
   float* Gm = k.ptr(k.at.G());
-  const int warp = threadIdx.x / 32, lane32 = threadIdx.x % 32;
-  for (int d = warp; d < k.T * k.nout; d += blockDim.x / 32) {
-    const int t = d / k.nout, i = d % k.nout;
-    const float* Bi = Bf + (k.out0 + i) * kDstate;
-    const float* Ct = Cf + t * kDstate;
-    float dot = 0.0f;
-    for (int n = lane32; n < kDstate; n += 32) dot += Bi[n] * Ct[n];
-    dot = group_sum<32>(dot);
-    if (lane32 == 0) Gm[t * k.R + i] = dot;
+  if constexpr (!kWindow) {
+    const int warp = threadIdx.x / 32, lane32 = threadIdx.x % 32;
+    for (int d = warp; d < k.T * k.nout; d += blockDim.x / 32) {
+      const int t = d / k.nout, i = d % k.nout;
+      const float* Bi = Bf + (k.out0 + i) * kDstate;
+      const float* Ct = Cf + t * kDstate;
+      float dot = 0.0f;
+      for (int n = lane32; n < kDstate; n += 32) dot += Bi[n] * Ct[n];
+      dot = group_sum<32>(dot);
+      if (lane32 == 0) Gm[t * k.R + i] = dot;
+    }
+  } else {
+    constexpr int kDotLanes = 8, kDotsPerWarp = 32 / kDotLanes;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % kDotLanes;
+    const int sub = (threadIdx.x % 32) / kDotLanes;
+    const int step = blockDim.x / 32 * kDotsPerWarp;
+    for (int t = 0; t < k.T; ++t) {
+      const float* Ct = Cf + t * kDstate;
+      for (int i0 = warp * kDotsPerWarp; i0 < k.nout; i0 += step) {  // uniform in the warp
+        const int i = i0 + sub;
+        float dot = 0.0f;
+        if (i < k.nout) {
+          const float* Bi = Bf + (k.out0 + i) * kDstate;
+#pragma unroll
+          for (int n = lane * 4; n < kDstate; n += kDotLanes * 4) {
+            const float4 b = *reinterpret_cast<const float4*>(Bi + n);
+            const float4 c = *reinterpret_cast<const float4*>(Ct + n);
+            dot += b.x * c.x + b.y * c.y + b.z * c.z + b.w * c.w;
+          }
+        }
+        dot = group_sum<kDotLanes>(dot);
+        if (lane == 0 && i < k.nout) Gm[t * k.R + i] = dot;
+      }
+    }
   }
   // Per head: prefix sums of A·Δ in record order (as the CPU), fold and output decays.
   float* cum = k.ptr(k.at.cum());
@@ -313,17 +341,34 @@ __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed
     for (int t = 0; t < k.T; ++t) k.ptr(k.at.tau())[hl * k.Tm + t] = expf(c[k.nout - k.T + t]);
   }
   __syncthreads();
+  // coef_ti: a thread per coefficient for a single token; in a verify window a warp per
+  // (head, token), its lanes over the records (no division per coefficient).
   float* coef = k.ptr(k.at.coef());
-  const int per_head = k.T * k.nout;
-  for (int d = threadIdx.x; d < k.hpc * per_head; d += blockDim.x) {
-    const int hl = d / per_head, t = (d % per_head) / k.nout, i = d % k.nout;
-    const int last = k.nout - k.T + t;
-    const float* c = cum + hl * k.R;
-    float v = 0.0f;
-    if (i <= last) {
-      v = dts[(k.out0 + i) * k.hpc + hl] * expf(c[last] - c[i]) * Gm[t * k.R + i];
+  if constexpr (!kWindow) {
+    const int per_head = k.T * k.nout;
+    for (int d = threadIdx.x; d < k.hpc * per_head; d += blockDim.x) {
+      const int hl = d / per_head, t = (d % per_head) / k.nout, i = d % k.nout;
+      const int last = k.nout - k.T + t;
+      const float* c = cum + hl * k.R;
+      float v = 0.0f;
+      if (i <= last) {
+        v = dts[(k.out0 + i) * k.hpc + hl] * expf(c[last] - c[i]) * Gm[t * k.R + i];
+      }
+      coef[(hl * k.Tm + t) * k.R + i] = v;
     }
-    coef[(hl * k.Tm + t) * k.R + i] = v;
+  } else {
+    for (int ht = threadIdx.x / 32; ht < k.hpc * k.T; ht += blockDim.x / 32) {
+      const int hl = ht / k.T, t = ht - hl * k.T;
+      const int last = k.nout - k.T + t;
+      const float* c = cum + hl * k.R;
+      for (int i = threadIdx.x % 32; i < k.nout; i += 32) {
+        float v = 0.0f;
+        if (i <= last) {
+          v = dts[(k.out0 + i) * k.hpc + hl] * expf(c[last] - c[i]) * Gm[t * k.R + i];
+        }
+        coef[(hl * k.Tm + t) * k.R + i] = v;
+      }
+    }
   }
   __syncthreads();
 }
@@ -575,11 +620,14 @@ __device__ __forceinline__ void lane_columns(const float* row, float (&out)[kPer
 
 // (S·C_t)[r] of one row for every window token t, into dots[t][r]: this lane's 16 products,
 // summed over the row's 8 lanes. C_0's columns come from registers (c0; every step has a t = 0),
-// the later tokens' from Cf. Every lane of the warp must call it (the sum shuffles).
-template <typename order_t>
+// the later tokens' from Cf. Every lane of the warp must call it (the sums shuffle). With
+// kScatter, verify windows sum 4 (or 2) tokens at once (group_sum8_scatter: a third of the
+// shuffles); only where registers allow it (an fp32 row being read: elsewhere it spilled).
+template <typename order_t, bool kScatter>
 __device__ __forceinline__ void row_dots(const Block& k, const float (&v)[kPerLane], int r,
                                          bool active, float row_scale,
                                          const float (&c0)[kPerLane]) {
+  static_assert(kLanesPerRow == 8, "group_sum8_scatter sums over 8 lanes");
   if (k.T == 0) return;  // an explicit fold: no window
   const int lane = threadIdx.x % kLanesPerRow;
   float* dots = k.ptr(k.at.dot());
@@ -590,6 +638,41 @@ __device__ __forceinline__ void row_dots(const Block& k, const float (&v)[kPerLa
     part = group_sum<kLanesPerRow>(part);
     if (active && lane == 0) dots[t * k.rows + r] = part * row_scale;
   };
+  if constexpr (kScatter) {
+    const auto part = [&](int t) {  // this lane's share of (S·C_t)[r]
+      float c[kPerLane];
+      if (t == 0) {
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) c[e] = c0[e];
+      } else {
+        lane_columns<order_t>(k.ptr(k.at.Cf()) + t * kDstate, c);
+      }
+      float sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) sum += v[e] * c[e];
+      return sum;
+    };
+    const auto sums = [&]<int kN>(int t0) {
+      float parts[kN];
+#pragma unroll
+      for (int u = 0; u < kN; ++u) parts[u] = part(t0 + u);
+      const float sum = group_sum8_scatter<kN>(parts);
+      const int t = t0 + group_sum8_scatter_index<kN>(lane);
+      if (active && lane % (kN == 4 ? 2 : 4) == 0) dots[t * k.rows + r] = sum * row_scale;
+    };
+    int t0 = 0;
+    for (; t0 + 4 <= k.T; t0 += 4) sums.template operator()<4>(t0);
+    if (k.T - t0 >= 2) {
+      sums.template operator()<2>(t0);
+      t0 += 2;
+    }
+    if (t0 < k.T) {
+      float c[kPerLane];
+      lane_columns<order_t>(k.ptr(k.at.Cf()) + t0 * kDstate, c);
+      dot(t0, c);
+    }
+    return;
+  }
   dot(0, c0);
   for (int t = 1; t < k.T; ++t) {
     float c[kPerLane];
@@ -603,7 +686,7 @@ __device__ __forceinline__ void row_dots(const Block& k, const float (&v)[kPerLa
 // rows, the swizzle applied (Stage: rows kRowGroups apart share it), so that a row costs its
 // loads, conversions, products and sum and nothing else: per-row index arithmetic was as many
 // instructions as the products.
-template <CheckpointPrecision P, typename stream_t>
+template <CheckpointPrecision P, typename stream_t, bool kWindow>
 __device__ __forceinline__ void read_rows(const Block& k, const stream_t* stage, int tile,
                                           int group, int lane_x, const float (&c0)[kPerLane]) {
 #pragma unroll
@@ -619,7 +702,8 @@ __device__ __forceinline__ void read_rows(const Block& k, const stream_t* stage,
       f.unpack(v);
       if constexpr (CheckpointTypes<P>::kScaled) row_scale = k.ptr(k.at.scale())[r];
     }
-    row_dots<stream_t>(k, v, r, active, row_scale, c0);
+    row_dots<stream_t, kWindow && std::is_same_v<stream_t, float>>(k, v, r, active, row_scale,
+                                                                   c0);
   }
 }
 
@@ -658,12 +742,67 @@ __device__ __forceinline__ void fold_row(const Block& k, const CheckpointHead<P>
     for (int e = 0; e < kPerLane; ++e) v[e] += xw * key[e];
   }
   checkpoint_store<P, Split, order_t>(ckpt, r, lane, active, v);
-  row_dots<order_t>(k, v, r, active, 1.0f, c0);
+  row_dots<order_t, false>(k, v, r, active, 1.0f, c0);
 }
 
-// Step 4: one thread per output element (head, t, p); stores run along head_dim.
-template <typename input_t>
+// Step 4 of a verify window for one state row e = hl·P + r of the block: the kN outputs
+// t0 .. t0 + kN − 1, which share the history records, so x_j is loaded once for all of them.
+// Each output sums in the order of the CPU reference: τ_t·(S·C_t), then coef_tj·x_j by j, then
+// D·x.
+template <typename input_t, int kN>
+__device__ __forceinline__ void row_outputs(const Params& p, const Block& k, int e, int t0) {
+  const int H = p.cache.dims.heads, P = k.P, T = k.T;
+  const int xrec = k.hpc * P;
+  const int hl = e / P, r = e - hl * P, h = k.h0 + hl;
+  const input_t* x = k.ptr<input_t>(k.at.x()) + k.out0 * xrec + e;
+  const float* dots = k.ptr(k.at.dot());
+  const float* tau = k.ptr(k.at.tau());
+  const float* coef[kN];
+  float acc[kN];
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    const int t = t0 + u;
+    acc[u] = tau[hl * k.Tm + t] * dots[t * k.rows + e];
+    coef[u] = k.ptr(k.at.coef()) + (hl * k.Tm + t) * k.R;
+  }
+  const int last0 = k.nout - T + t0;  // output t0 + u reads records j <= last0 + u
+  for (int j = 0; j <= last0 + kN - 1; ++j) {
+    const float xj = to_float(x[j * xrec]);
+#pragma unroll
+    for (int u = 0; u < kN; ++u) {
+      if (j <= last0 + u) acc[u] += coef[u][j] * xj;
+    }
+  }
+  const auto* z = static_cast<const input_t*>(p.z);
+  auto* y = static_cast<input_t*>(p.y);
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    const std::int64_t off = ((std::int64_t{k.b} * T + t0 + u) * H + h) * P + r;
+    float out = acc[u] + p.D[h] * to_float(x[(last0 + u) * xrec]);
+    if (z != nullptr) out *= silu(to_float(z[off]));
+    y[off] = from_float<input_t>(out);
+  }
+}
+
+// Step 4: stores run along head_dim. A single token: one thread per output element (head, p).
+// A verify window: a thread per state row of the block, its outputs in runs of up to 4 that
+// share their history records (row_outputs; a thread per output, its index divided out of a
+// flat count, was 14% of a 4-token window's time).
+template <typename input_t, bool kWindow>
 __device__ void write_outputs(const Params& p, const Block& k) {
+  if constexpr (kWindow) {
+    for (int e = threadIdx.x; e < k.hpc * k.P; e += blockDim.x) {
+      for (int t0 = 0; t0 < k.T; t0 += 4) {
+        switch (k.T - t0) {
+          case 1: row_outputs<input_t, 1>(p, k, e, t0); break;
+          case 2: row_outputs<input_t, 2>(p, k, e, t0); break;
+          case 3: row_outputs<input_t, 3>(p, k, e, t0); break;
+          default: row_outputs<input_t, 4>(p, k, e, t0); break;
+        }
+      }
+    }
+    return;
+  }
   const int H = p.cache.dims.heads, P = k.P, T = k.T;
   const int xrec = k.hpc * P;
   const input_t* xs = k.ptr<input_t>(k.at.x());
@@ -689,7 +828,8 @@ __device__ void write_outputs(const Params& p, const Block& k) {
 
 // Steps 2–4 with the state streamed from `src` (master when folding, else read copy). With
 // `early`, the read copy's first kStages tiles were queued before the staging (small batches).
-template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold, bool kConv>
+template <typename input_t, CheckpointPrecision P, typename stream_t, bool kFold, bool kConv,
+          bool kWindow>
 __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ckpt,
                     const stream_t* src, std::uint32_t committed, bool early) {
   constexpr int kS = kStages;
@@ -704,7 +844,7 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
     cp_async_wait<kS>();  // the staging group, committed before the tiles
   }
   __syncthreads();
-  prepare<input_t, kConv>(p, k, committed);
+  prepare<input_t, kConv, kWindow>(p, k, committed);
 
   float c0[kPerLane] = {};
   if (k.T > 0) lane_columns<stream_t>(k.ptr(k.at.Cf()), c0);
@@ -752,20 +892,22 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
         for (pr += kRowGroups; pr >= k.P; pr -= k.P) ++hl;
       }
     } else {
-      read_rows<P>(k, stage, tile, group, lane_x, c0);
+      read_rows<P, stream_t, kWindow>(k, stage, tile, group, lane_x, c0);
     }
     __syncthreads();  // the stage is free again
     issue_tile(k, src, tile + kS);
   }
   cp_async_wait<0>();
   if (k.T == 0) return;
-  write_outputs<input_t>(p, k);
+  write_outputs<input_t, kWindow>(p, k);
   if (k.h0 == 0 && threadIdx.x == 0) {
     p.cache.pending[p.cache.layer_slot(p.layer, k.slot)] = static_cast<std::uint8_t>(k.T);
   }
 }
 
-template <typename input_t, CheckpointPrecision P, bool kConv>
+// kWindow: the instantiation for verify windows (T >= 2), with their own output pass, products
+// and sums (write_outputs, prepare, row_dots).
+template <typename input_t, CheckpointPrecision P, bool kConv, bool kWindow>
 __global__ void __launch_bounds__(kReplayThreads, kReplayResidentBlocks)
     replay_kernel(const __grid_constant__ Params params) {
   using Traits = CheckpointTypes<P>;
@@ -830,12 +972,13 @@ __global__ void __launch_bounds__(kReplayThreads, kReplayResidentBlocks)
 
   issue_staging<input_t, P, kConv>(params, k, cursor.first, committed);
   if (k.fold) {
-    run<input_t, P, typename Traits::master_t, true, kConv>(params, k, ckpt, ckpt.master_row(0),
-                                                            committed, early);
+    run<input_t, P, typename Traits::master_t, true, kConv, kWindow>(
+        params, k, ckpt, ckpt.master_row(0), committed, early);
     if (threadIdx.x == 0) fold_cursor_arrive(l, params.layer, k.slot, committed, gridDim.x);
   } else {
-    run<input_t, P, typename Traits::read_t, false, kConv>(params, k, ckpt, ckpt.read_row(0),
-                                                           committed, early);
+    run<input_t, P, typename Traits::read_t, false, kConv, kWindow>(params, k, ckpt,
+                                                                    ckpt.read_row(0), committed,
+                                                                    early);
   }
 }
 
@@ -908,9 +1051,11 @@ Status launch(Params params, cudaStream_t stream) {
     return unsupported("mamba2 CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
                        " blocks per batch row, got " + std::to_string(l.dims.heads / hpc));
   }
-  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged.
-  auto* kernel = params.conv.in != nullptr ? replay_kernel<input_t, P, true>
-                                           : replay_kernel<input_t, P, false>;
+  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged; so
+  // do verify windows of plain caches (T >= 2: their output pass and sums, tuned for windows).
+  auto* kernel = params.conv.in != nullptr ? replay_kernel<input_t, P, true, false>
+                 : params.num_tokens >= 2  ? replay_kernel<input_t, P, false, true>
+                                           : replay_kernel<input_t, P, false, false>;
   REPLAYSSM_RETURN_IF_ERROR(allow_dynamic_smem(kernel, smem, "mamba2 replay kernel"));
   // Shared memory over L1: three ~70 KB blocks per SM need the largest carveout.
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
