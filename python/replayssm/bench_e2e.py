@@ -365,11 +365,7 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
             + (f"{r['peak_memory_gb']:>9.1f}" if "peak_memory_gb" in r else f"{'':>9}")
             + (f"{r['attention_gb_per_s']:>10.0f}" if "attention_gb_per_s" in r else ""))
     for r in runs:
-        if r.get("top_kernels"):
-            lines.append(f"top kernels: {r['layout']} {r['starts']} batch {r['batch']} "
-                         f"{r['mode']} ({r['profiled_ms_per_step']:.3f} ms/step profiled)")
-            lines += [f"  {k['us_per_step']:>9.1f} us {k['calls_per_step']:>6.1f}x "
-                      f"{k['cls']:<9} {k['name'][:100]}" for k in r["top_kernels"][:SUMMARY_TOP]]
+        lines += top_kernel_lines(r, f"{r['layout']} {r['starts']} batch {r['batch']} {r['mode']}")
     for layout, targets in TARGETS.items():
         for mode, target in targets.items():
             got = [r["speedup_vs_eager_fp32"] for r in runs
@@ -380,6 +376,17 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"target {layout} {mode} batch 256 staggered: {got[0]:.2f}x "
                              f"(aim {target}x) {verdict}")
     return lines
+
+
+def top_kernel_lines(row: dict[str, Any], label: str) -> list[str]:
+    """A profiled row's breakdown by class and its top kernels, for the summary."""
+    if not row.get("top_kernels"):
+        return []
+    shares = " ".join(f"{c} {100 * row['breakdown'][c]:.0f}%" for c in CLASSES)
+    return ([f"top kernels: {label} ({row['profiled_ms_per_step']:.3f} ms/step profiled: "
+             f"{shares})"]
+            + [f"  {k['us_per_step']:>9.1f} us {k['calls_per_step']:>6.1f}x "
+               f"{k['cls']:<9} {k['name'][:100]}" for k in row["top_kernels"][:SUMMARY_TOP]])
 
 
 def plot(path: str, out: str | None) -> str:

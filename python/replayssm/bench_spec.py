@@ -68,8 +68,8 @@ from typing import Any
 import torch
 
 import replayssm
-from replayssm.bench_e2e import (arg_parser, device_label, fill_context, run_configurations,
-                                 sync, time_steps)
+from replayssm.bench_e2e import (arg_parser, breakdown, device_label, fill_context,
+                                 run_configurations, sync, time_steps, top_kernel_lines)
 from replayssm.models import ServingCache, StateMode
 from replayssm.models.speculative import NgramDrafter, SpecRunner, SpeculativeDecoder
 
@@ -165,7 +165,10 @@ def bench_one(model, layout: str, method: str, batch: int, probs: list[float],
     mode, T = method_mode(method, args)
     parsed = StateMode.parse(mode)
     warm_up = max(2, -(-(1 if parsed.eager else parsed.buffer_len) // T))  # a fold period
-    used = (warm_up + 3 + args.steps * args.repeats) * T
+    profiled = batch in args.profile_batches
+    # Tokens a row may take: the warm-up, the timed windows, and a profiled pass (graph
+    # replays, or eager steps where the profiler sees no graph kernels: at most two passes).
+    used = (warm_up + 3 + args.steps * (args.repeats + (2 if profiled else 0))) * T
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -192,6 +195,11 @@ def bench_one(model, layout: str, method: str, batch: int, probs: list[float],
                request_tokens=args.request_tokens, budget_gb=args.budget_gb,
                max_requests=int(args.budget_gb * 2**30 // per_request),
                ssm_bytes_per_request=ssm_bytes_per_slot(cache))
+    if profiled:
+        # One pass of the acceptance table: the same folds and cursor moves as the timing.
+        shares, profiled_ms, source, top = breakdown(runner, args.steps, device)
+        row.update(breakdown=shares, ssm_share=shares["ssm"], profiled_ms_per_step=profiled_ms,
+                   profiled=source, top_kernels=top)
     if device == "cuda":
         row["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     runner.release()
@@ -223,6 +231,8 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
             f"{r['ms_per_step']:>9.3f}{r['mean_accepted']:>9.2f}{r['accepted_tokens_per_s']:>10.0f}"
             f"{'' if a is None else f'{a:.2f}x':>15}{'' if b is None else f'{b:.2f}x':>9}"
             f"{r['bytes_per_request'] / 2**20:>11.1f}{r['max_requests']:>8}")
+    for r in runs:
+        lines += top_kernel_lines(r, f"{r['layout']} batch {r['batch']} {r['method']} {r['mode']}")
     for layout, target in TARGETS.items():
         got = [r["speedup_vs_per_draft_state"] for r in runs
                if r["layout"] == layout and r["method"] == "replay-verify" and r["batch"] == 256
@@ -304,6 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the held-out files listed in heldout.txt are (--measure)")
     p.add_argument("--prompt-bytes", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--profile-batches", nargs="*", type=int, default=[],
+                   help="profile the step at these batches (bench_e2e's breakdown: SSM, "
+                        "attention, GEMM, other, and the top kernels)")
     args = p.parse_args(argv)
     try:
         for m in (args.replay_mode, args.eager_mode):

@@ -251,7 +251,7 @@ def test_bench_spec_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "replayssm.bench_spec", "--layouts", "nemotron-tiny",
          "qwen3.5-tiny", "--batches", "2", "--steps", "2", "--repeats", "1", "--context", "16",
-         "--device", "cpu", "--dtype", "float32", "--json", str(out)],
+         "--device", "cpu", "--dtype", "float32", "--profile-batches", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     runs = json.loads(out.read_text())["runs"]
@@ -266,7 +266,11 @@ def test_bench_spec_smoke(tmp_path):
             b["accepted_tokens_per_s"] for b in runs
             if b["layout"] == r["layout"] and b["method"] == "per-draft-state")
         assert r["speedup_vs_per_draft_state"] == pytest.approx(ratio)
+        # --profile-batches: the step's breakdown (on the CPU, by operator), shares summing to 1
+        assert sum(r["breakdown"].values()) == pytest.approx(1.0)
+        assert r["profiled_ms_per_step"] > 0 and r["top_kernels"]
     assert "vs draft-state" in proc.stdout
+    assert "top kernels: qwen3.5-tiny batch 2 replay-verify" in proc.stdout
 
 
 def test_bench_spec_measures_the_acceptance_of_a_trained_model(tmp_path):
