@@ -747,7 +747,7 @@ __device__ __forceinline__ void fold_row(const Block& k, const CheckpointHead<P>
 
 // Step 4 of a verify window for one state row e = hl·P + r of the block: the kN outputs
 // t0 .. t0 + kN − 1, which share the history records, so x_j is loaded once for all of them.
-// Each output sums in the order of the CPU reference: τ_t·(S·C_t), then coef_tj·x_j by j, then
+// Each output sums in the single-token pass's order: τ_t·(S·C_t), then coef_tj·x_j by j, then
 // D·x.
 template <typename input_t, int kN>
 __device__ __forceinline__ void row_outputs(const Params& p, const Block& k, int e, int t0) {
