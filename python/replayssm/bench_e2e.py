@@ -489,7 +489,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if any(b < 1 for b in args.batches) or args.context < 1 or args.steps < 1 \
                 or args.repeats < 1:
             p.error("batches, context, steps and repeats must be positive")
+        check_profile_batches(p, args)
     return args
+
+
+def check_profile_batches(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A batch to profile must be one that runs (else the profile would silently not be)."""
+    missing = sorted(set(args.profile_batches) - set(args.batches))
+    if missing:
+        p.error(f"--profile-batches {' '.join(map(str, missing))}: not among --batches "
+                f"{' '.join(map(str, args.batches))}")
 
 
 def device_label(device: str) -> str:

@@ -68,8 +68,9 @@ from typing import Any
 import torch
 
 import replayssm
-from replayssm.bench_e2e import (arg_parser, breakdown, device_label, fill_context,
-                                 run_configurations, sync, time_steps, top_kernel_lines)
+from replayssm.bench_e2e import (arg_parser, breakdown, check_profile_batches, device_label,
+                                 fill_context, run_configurations, sync, time_steps,
+                                 top_kernel_lines)
 from replayssm.models import ServingCache, StateMode
 from replayssm.models.speculative import NgramDrafter, SpecRunner, SpeculativeDecoder
 
@@ -332,6 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             or args.budget_gb <= 0:
         p.error("batches, context, steps, repeats, lookback, request tokens and the budget "
                 "must be positive")
+    check_profile_batches(p, args)
     try:
         NgramDrafter(lookback=args.lookback)
     except ValueError as e:

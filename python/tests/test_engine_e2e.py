@@ -209,6 +209,19 @@ def test_bench_profiles_the_largest_batch_by_default():
     assert args.profile_batches == [1, 16] and args.profile_starts == list(bench_e2e.STARTS)
 
 
+@pytest.mark.parametrize("module", ["bench_e2e", "bench_spec"])
+def test_benches_refuse_a_profile_batch_that_does_not_run(module, capsys):
+    import importlib
+
+    bench = importlib.import_module(f"replayssm.{module}")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batches", "1", "16", "--profile-batches", "16", "64",
+                          "--device", "cpu"])
+    assert "--profile-batches 64: not among --batches 1 16" in capsys.readouterr().err
+    assert bench.parse_args(["--batches", "1", "16", "--profile-batches", "16",
+                             "--device", "cpu"]).profile_batches == [16]
+
+
 @pytest.mark.parametrize("name, cls", [
     ("void replayssm::cuda::mamba2::(anonymous namespace)::replay_kernel<(replayssm::"
      "CheckpointPrecision)1>(replayssm::cuda::mamba2::Params)", "ssm"),
