@@ -264,6 +264,12 @@ template <int kN>
 __device__ __forceinline__ int group_sum8_scatter_index(int lane) {
   return kN == 4 ? ((lane >> 1) & 3) : ((lane >> 2) & 1);
 }
+/// Whether a lane is the first of those holding its sum (2 lanes each for kN = 4, 4 for kN =
+/// 2): the one lane per sum that stores it.
+template <int kN>
+__device__ __forceinline__ bool group_sum8_scatter_stores(int lane) {
+  return lane % (8 / kN) == 0;
+}
 
 template <int kLanes>
 __device__ __forceinline__ float group_max(float v) {

@@ -230,6 +230,25 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
   }
 }
 
+/// The staged ring records as the walks read them (ReplaySmem's arrays): per record and head
+/// e^g and β, per record k's normalisation factor, raw k and v.
+template <typename input_t>
+struct StagedRecords {
+  const float* alpha;
+  const float* beta;
+  const float* kscale;
+  const input_t* key;
+  const input_t* vec;
+};
+template <typename input_t>
+__device__ __forceinline__ StagedRecords<input_t> staged_records(const ReplayParams& p,
+                                                                 const unsigned char* smem) {
+  const auto* f = reinterpret_cast<const float*>(smem);
+  return {f + p.smem.alpha, f + p.smem.beta, f + p.smem.kscale,
+          reinterpret_cast<const input_t*>(smem + p.smem.key_bytes),
+          reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes)};
+}
+
 /// Phase 2: the adjoint walks (§4) of window positions 0..T-1 for local heads h_lo..h_hi, one
 /// warp per walk; records [stop, hist + t] newest first (stop = hist after a fold: the history
 /// is in the checkpoint then). Writes s_tq and s_oring. Lane l holds columns l, l + 32, ...:
@@ -241,11 +260,7 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
   const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key, T = p.num_tokens;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float* s_f = reinterpret_cast<float*>(smem);
-  const float* s_alpha = s_f + p.smem.alpha;
-  const float* s_beta = s_f + p.smem.beta;
-  const float* s_kscale = s_f + p.smem.kscale;
-  const auto* s_key = reinterpret_cast<const input_t*>(smem + p.smem.key_bytes);
-  const auto* s_vec = reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes);
+  const auto [s_alpha, s_beta, s_kscale, s_key, s_vec] = staged_records<input_t>(p, smem);
   const int nh = h_hi - h_lo + 1;
   for (int id = warp; id < T * nh; id += blockDim.x / 32) {
     const int t = id / nh;
@@ -306,11 +321,7 @@ __device__ __forceinline__ void walk_window(const ReplayParams& p, int hist, int
   const bool key_lane = c0 < K;
   const bool vec_whole = V % kWalkPerLane == 0 && p.smem.vec_stride % kWalkPerLane == 0;
   float* s_f = reinterpret_cast<float*>(smem);
-  const float* s_alpha = s_f + p.smem.alpha;
-  const float* s_beta = s_f + p.smem.beta;
-  const float* s_kscale = s_f + p.smem.kscale;
-  const auto* s_key = reinterpret_cast<const input_t*>(smem + p.smem.key_bytes);
-  const auto* s_vec = reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes);
+  const auto [s_alpha, s_beta, s_kscale, s_key, s_vec] = staged_records<input_t>(p, smem);
   using Vec = Packed<input_t, kWalkPerLane>;
   const int nh = h_hi - h_lo + 1;
   for (int id = warp; id < T * nh; id += blockDim.x / 32) {
@@ -399,7 +410,9 @@ __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int h, int v
     for (; t0 + 2 <= T; t0 += 2) {
       const float parts[2] = {part(t0), part(t0 + 1)};
       const float dot = group_sum8_scatter<2>(parts);
-      if (active && lane % 4 == 0) store(t0 + group_sum8_scatter_index<2>(lane), dot);
+      if (active && group_sum8_scatter_stores<2>(lane)) {
+        store(t0 + group_sum8_scatter_index<2>(lane), dot);
+      }
     }
   }
   for (; t0 < T; ++t0) {

@@ -58,11 +58,12 @@ Status can_implement(const StateCacheConfig& c) {
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
   const int smem = replay_smem(c, 1).bytes();
-  if (smem > replay_smem_budget(limits)) {
+  const int budget = replay_smem_budget(limits);
+  if (smem > budget) {
     return unsupported("mamba2 CUDA replay stages buffer_len - 1 + 2·max_spec_tokens ring "
                        "records in " + std::to_string(smem) +
-                       " bytes of shared memory; this GPU allows " +
-                       std::to_string(replay_smem_budget(limits)) + " (use a shorter buffer_len)");
+                       " bytes of shared memory; this GPU allows " + std::to_string(budget) +
+                       " (use a shorter buffer_len)");
   }
   return Status::ok();
 }

@@ -658,7 +658,9 @@ __device__ __forceinline__ void row_dots(const Block& k, const float (&v)[kPerLa
       for (int u = 0; u < kN; ++u) parts[u] = part(t0 + u);
       const float sum = group_sum8_scatter<kN>(parts);
       const int t = t0 + group_sum8_scatter_index<kN>(lane);
-      if (active && lane % (kN == 4 ? 2 : 4) == 0) dots[t * k.rows + r] = sum * row_scale;
+      if (active && group_sum8_scatter_stores<kN>(lane)) {
+        dots[t * k.rows + r] = sum * row_scale;
+      }
     };
     int t0 = 0;
     for (; t0 + 4 <= k.T; t0 += 4) sums.template operator()<4>(t0);
