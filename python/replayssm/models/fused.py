@@ -113,13 +113,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, group_size: i
     product = torch.promote_types(weight.dtype, x.dtype)
     plain = not one_plus and gate_at != "after"
     out = torch.empty(x2.shape, dtype=product if plain else x.dtype, device=x.device)
-    grid = (x2.shape[0], N // G)
-    _rms_norm_kernel[grid](
+    # A program per row, all its groups at once (a program per group of 128-256 channels
+    # left most of its threads with one element).
+    _rms_norm_kernel[(x2.shape[0],)](
         x2, g2, x2, x2, weight, out, x2.stride(0), g2.stride(0), x2.stride(0), float(eps),
-        G=G, W_PER_GROUP=weight.numel() == G and N != G, GATE=_GATE[gate_at],
+        G=G, NG=N // G, W_PER_GROUP=weight.numel() == G and N != G, GATE=_GATE[gate_at],
         ONE_PLUS=one_plus, ROUND_PRODUCT=product != torch.float32, HAS_RES=False,
-        BLOCK=triton.next_power_of_2(G))
+        GROUPS=triton.next_power_of_2(N // G), BLOCK=triton.next_power_of_2(G),
+        num_warps=_norm_warps(N))
     return out.view(x.shape)
+
+
+def _norm_warps(n: int) -> int:
+    """Warps for a program normalising one row of n channels: about 8 channels a thread."""
+    return max(1, min(16, triton.next_power_of_2(n) // 256))
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -131,11 +138,11 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     h2, d2 = _rows(h, N), _rows(delta, N)
     total = torch.empty(h2.shape, dtype=h.dtype, device=h.device)
     out = torch.empty_like(total)
-    _rms_norm_kernel[(h2.shape[0], 1)](
+    _rms_norm_kernel[(h2.shape[0],)](
         h2, h2, d2, total, weight.contiguous(), out, h2.stride(0), h2.stride(0), d2.stride(0),
-        float(eps), G=N, W_PER_GROUP=False, GATE=0, ONE_PLUS=one_plus,
+        float(eps), G=N, NG=1, W_PER_GROUP=False, GATE=0, ONE_PLUS=one_plus,
         ROUND_PRODUCT=torch.promote_types(weight.dtype, h.dtype) != torch.float32, HAS_RES=True,
-        BLOCK=triton.next_power_of_2(N))
+        GROUPS=1, BLOCK=triton.next_power_of_2(N), num_warps=_norm_warps(N))
     return total.view(h.shape), out.view(h.shape)
 
 
@@ -262,28 +269,29 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, gate_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_g,
-                         stride_r, eps, G: tl.constexpr, W_PER_GROUP: tl.constexpr,
-                         GATE: tl.constexpr, ONE_PLUS: tl.constexpr,
+                         stride_r, eps, G: tl.constexpr, NG: tl.constexpr,
+                         W_PER_GROUP: tl.constexpr, GATE: tl.constexpr, ONE_PLUS: tl.constexpr,
                          ROUND_PRODUCT: tl.constexpr, HAS_RES: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+        # One row of NG groups of G channels, as a [GROUPS, BLOCK] tile (HAS_RES: NG = 1).
         row = tl.program_id(0)
-        group = tl.program_id(1)
-        i = tl.arange(0, BLOCK)
-        live = i < G
-        col = group * G + i
+        g = tl.arange(0, GROUPS)[:, None]
+        i = tl.arange(0, BLOCK)[None, :]
+        live = (i < G) & (g < NG)
+        col = g * G + i
         xdt = x_ptr.dtype.element_ty
         h = tl.load(x_ptr + row * stride_x + col, mask=live, other=0.0).to(tl.float32)
         if HAS_RES:  # h + delta in x's dtype (stored), then its norm
             d = tl.load(res_ptr + row * stride_r + col, mask=live, other=0.0).to(tl.float32)
             h = (h + d).to(xdt)
-            tl.store(sum_ptr + row * G * tl.num_programs(1) + col, h, mask=live)
+            tl.store(sum_ptr + row * G * NG + col, h, mask=live)
             h = h.to(tl.float32)
         if GATE == 1:
             z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
             h = h * (z / (1.0 + tl.exp(-z)))
-        y = h * (1.0 / tl.sqrt(tl.sum(h * h, axis=0) / G + eps))
+        y = h * (1.0 / tl.sqrt(tl.sum(h * h, axis=1)[:, None] / G + eps))
         if W_PER_GROUP:
-            w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + i, mask=i < G, other=0.0).to(tl.float32)
         else:
             w = tl.load(w_ptr + col, mask=live, other=0.0).to(tl.float32)
         if ONE_PLUS:
@@ -295,8 +303,7 @@ if triton is not None:
         if GATE == 2:
             z = tl.load(gate_ptr + row * stride_g + col, mask=live, other=0.0).to(tl.float32)
             y = y * (z / (1.0 + tl.exp(-z)))
-        tl.store(out_ptr + row * G * tl.num_programs(1) + col,
-                 y.to(out_ptr.dtype.element_ty), mask=live)
+        tl.store(out_ptr + row * G * NG + col, y.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, bias_ptr, g_ptr, beta_ptr, stride_a, stride_b,
