@@ -18,6 +18,7 @@
 #include "common/layer_kind.h"
 #include "replayssm/status.h"
 #include "replayssm/types.h"
+#include "spec_acceptance.h"
 
 namespace replayssm {
 
@@ -103,7 +104,11 @@ struct SpecBenchResult {
   std::string shape;
   int batch = 0;
   int window = 0;    ///< T
-  int accepted = 0;  ///< tokens committed per step (k)
+  /// Tokens committed per step (k), or kRandomAcceptance: k drawn per row and step
+  /// (spec_acceptance.h), each row folding on its own cadence, eager and replay committing the
+  /// same draws.
+  int accepted = 0;
+  double accepted_mean = 0.0;  ///< k, or the mean of the draws the graphs commit
   int buffer_len = 0;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
   /// The eager spec step as measured, µs per step (median): one decode of the library's eager
@@ -116,11 +121,13 @@ struct SpecBenchResult {
   double eager_us = 0.0;
   double eager_fused_us = 0.0;  ///< = eager_us when eager_fused
   double eager_bytes = 0.0;     ///< bytes the measured eager step moves (bytes model)
-  /// Replay: one decode verifying the window + a commit of k, over whole fold cycles.
+  /// Replay: one decode verifying the window + a commit of k, over whole fold cycles (random
+  /// acceptance: over random_acceptance_steps steps, several folds of every row).
   double replay_us = 0.0;
   double replay_bytes = 0.0;
   double speedup = 0.0;        ///< eager_us / replay_us
   double speedup_fused = 0.0;  ///< eager_fused_us / replay_us
+  [[nodiscard]] bool random_acceptance() const { return accepted == kRandomAcceptance; }
 };
 
 struct BenchReport {
@@ -162,7 +169,10 @@ Status run_cpu_bench(const BenchOptions& options, BenchReport* report);
 Status run_cuda_bench(const BenchOptions& options, BenchReport* report);
 /// The speculative comparison on CUDA: per shape × batch of options, the eager spec step
 /// (SpecBenchResult) against a replay verify of `window` tokens committing `accepted` (0: all),
-/// in each of options.checkpoints, aligned flushes. Fills report->device, copy_gbps and spec.
+/// in each of options.checkpoints, aligned flushes. accepted = kRandomAcceptance: every row
+/// commits its own k per step, drawn as spec_acceptance.h says, over graphs of
+/// random_acceptance_steps steps, the eager baseline committing the same draws. Fills
+/// report->device, copy_gbps and spec.
 Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted,
                            BenchReport* report);
 

@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <utility>
 
 #include "bench.h"
 #include "bytes_model.h"
@@ -93,24 +97,41 @@ void protocol_print(const BenchReport& report, std::FILE* out) {
   }
 }
 
+// The k column: the tokens every row commits per step, or "~" and the mean of random draws.
+std::string accepted_label(const SpecBenchResult& r) {
+  char text[32];
+  if (r.random_acceptance()) {
+    std::snprintf(text, sizeof text, "~%.2f", r.accepted_mean);
+  } else {
+    std::snprintf(text, sizeof text, "%d", r.accepted);
+  }
+  return text;
+}
+
 // The speculative comparison: eager spec against replay verify, per shape × batch × checkpoint.
 void spec_print(const BenchReport& report, std::FILE* out) {
   const double peak = report.peak_gbps();
   auto pct = [peak](double bytes, double us) {
     return peak > 0.0 && us > 0.0 ? 100.0 * bytes / (us * 1e3) / peak : 0.0;
   };
+  std::set<std::pair<int, int>> random_windows;  // (T, L) of the random-acceptance cases
+  for (const SpecBenchResult& r : report.spec) {
+    if (r.random_acceptance()) random_windows.insert({r.window, r.buffer_len});
+  }
+  const int k_width = random_windows.empty() ? 2 : 5;  // "~3.01" where k is a mean
   std::fprintf(out, "spec verify vs eager spec (%%copy against %.1f GB/s)\n", peak);
-  std::fprintf(out, "%-12s %6s %2s %2s %3s %-10s %-10s %11s %6s %11s %6s %8s %11s\n", "shape",
-               "batch", "T", "k", "L", "checkpoint", "eager", "eager us", "%copy", "replay us",
-               "%copy", "speedup", "vs fused");
+  std::fprintf(out, "%-12s %6s %2s %*s %3s %-10s %-10s %11s %6s %11s %6s %8s %11s\n", "shape",
+               "batch", "T", k_width, "k", "L", "checkpoint", "eager", "eager us", "%copy",
+               "replay us", "%copy", "speedup", "vs fused");
   bool sequential = false;
   for (const SpecBenchResult& r : report.spec) {
     sequential = sequential || !r.eager_fused;
     std::fprintf(out,
-                 "%-12s %6d %2d %2d %3d %-10s %-10s %11.1f %5.0f%% %11.1f %5.0f%% %7.2fx "
+                 "%-12s %6d %2d %*s %3d %-10s %-10s %11.1f %5.0f%% %11.1f %5.0f%% %7.2fx "
                  "%10.2fx\n",
-                 r.shape.c_str(), r.batch, r.window, r.accepted, r.buffer_len,
-                 checkpoint_precision_name(r.checkpoint), r.eager_fused ? "fused" : "sequential",
+                 r.shape.c_str(), r.batch, r.window, k_width, accepted_label(r).c_str(),
+                 r.buffer_len, checkpoint_precision_name(r.checkpoint),
+                 r.eager_fused ? "fused" : "sequential",
                  r.eager_us, pct(r.eager_bytes, r.eager_us), r.replay_us,
                  pct(r.replay_bytes, r.replay_us), r.speedup, r.speedup_fused);
   }
@@ -119,6 +140,26 @@ void spec_print(const BenchReport& report, std::FILE* out) {
                sequential ? "; sequential: T eager decodes (2T transfers), 'vs fused' against "
                             "the fused scheme's estimate eager·(T + 1)/2T"
                           : "");
+  for (const auto& [T, L] : random_windows) {
+    const std::vector<double> probabilities = random_acceptance_probabilities(T);
+    std::string p;
+    for (double x : probabilities) {
+      char v[16];
+      std::snprintf(v, sizeof v, "%s%.2f", p.empty() ? "" : " ", x);
+      p += v;
+    }
+    if (std::adjacent_find(probabilities.begin(), probabilities.end(), std::not_equal_to<>()) ==
+        probabilities.end()) {
+      p = "1/" + std::to_string(T) + " each";  // uniform: no list of T equal numbers
+    }
+    std::fprintf(out,
+                 "k ~m: random acceptance (T = %d, L = %d), k drawn per row and step with "
+                 "P(k = 1..%d) = %s\n"
+                 "      (mean %.2f; m: the mean of the draws); every row folds on its own "
+                 "cadence; us per step\n"
+                 "      over graphs of %d steps, eager and replay committing the same draws\n",
+                 T, L, T, p.c_str(), random_acceptance_mean(T), random_acceptance_steps(T, L));
+  }
 }
 
 }  // namespace
@@ -194,20 +235,28 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
   }
   json spec_cases = json::array();
   for (const SpecBenchResult& r : report.spec) {
-    spec_cases.push_back({{"shape", r.shape},
-                          {"batch", r.batch},
-                          {"window", r.window},
-                          {"accepted", r.accepted},
-                          {"buffer_len", r.buffer_len},
-                          {"checkpoint", checkpoint_precision_name(r.checkpoint)},
-                          {"eager_spec_scheme", r.eager_fused ? "fused" : "sequential"},
-                          {"eager_spec_us", r.eager_us},
-                          {"eager_spec_fused_us", r.eager_fused_us},
-                          {"eager_spec_bytes", r.eager_bytes},
-                          {"replay_us", r.replay_us},
-                          {"replay_bytes", r.replay_bytes},
-                          {"speedup", r.speedup},
-                          {"speedup_vs_fused", r.speedup_fused}});
+    json c = {{"shape", r.shape},
+              {"batch", r.batch},
+              {"window", r.window},
+              // k, or "random" (the mean of the draws in accepted_mean)
+              {"accepted", r.random_acceptance() ? json("random") : json(r.accepted)},
+              {"random_acceptance", r.random_acceptance()},
+              {"accepted_mean", r.accepted_mean},
+              {"buffer_len", r.buffer_len},
+              {"checkpoint", checkpoint_precision_name(r.checkpoint)},
+              {"eager_spec_scheme", r.eager_fused ? "fused" : "sequential"},
+              {"eager_spec_us", r.eager_us},
+              {"eager_spec_fused_us", r.eager_fused_us},
+              {"eager_spec_bytes", r.eager_bytes},
+              {"replay_us", r.replay_us},
+              {"replay_bytes", r.replay_bytes},
+              {"speedup", r.speedup},
+              {"speedup_vs_fused", r.speedup_fused}};
+    if (r.random_acceptance()) {  // what was drawn from, and over how many steps per graph
+      c["acceptance_probabilities"] = random_acceptance_probabilities(r.window);
+      c["steps_per_graph"] = random_acceptance_steps(r.window, r.buffer_len);
+    }
+    spec_cases.push_back(c);
   }
   json doc = {{"device", report.device},
                     {"copy_gbps", report.copy_gbps},

@@ -8,7 +8,8 @@
 // Also the speculative comparison: a replay verify of T tokens (+ commit of k) against an eager
 // spec step of the library (an eager cache with max_spec_tokens = T: the window reads the state
 // once and writes one state copy per window position, the scheme of vLLM's spec decode; the
-// commit selects the accepted copy).
+// commit selects the accepted copy). k is fixed, or drawn per row and step (random acceptance,
+// spec_acceptance.h), as the public kernels are timed.
 
 #include <cuda_runtime.h>
 
@@ -42,6 +43,7 @@ constexpr int kMinRepetitions = 7;
 
 // ---- small RAII helpers ------------------------------------------------------------------
 
+using bench_cuda::AcceptedCounts;
 using bench_cuda::GraphExec;
 using bench_cuda::OwnedStream;
 using bench_cuda::time_graph;
@@ -158,7 +160,8 @@ class CaseRunner {
   CaseRunner(int batch, int groups, int layers, const Inputs& inputs, cudaStream_t stream)
       : batch_(batch), groups_(groups), layers_(layers), in_(inputs), stream_(stream) {}
 
-  Status init(StateCacheConfig config, int window, int accepted) {
+  // `steps`: the steps of the cycle capture() will record (random acceptance draws that many).
+  Status init(StateCacheConfig config, int window, int accepted, int steps) {
     window_ = window;
     config.num_layers = layers_;
     config.capacity = batch_ * groups_;
@@ -176,8 +179,7 @@ class CaseRunner {
       REPLAYSSM_RETURN_IF_ERROR(buf.assign(Device::kCuda, ids));
       ids_.push_back(std::move(buf));
     }
-    return accepted_.assign(Device::kCuda,
-                            std::vector<std::int32_t>(std::size_t(batch_), accepted));
+    return accepted_.init(batch_, window, accepted, steps);
   }
 
   // Staggered flushes: row b is pre-advanced by b mod L tokens (padding the others), so that
@@ -191,7 +193,7 @@ class CaseRunner {
         }
         DeviceBuffer buf;
         REPLAYSSM_RETURN_IF_ERROR(buf.assign(Device::kCuda, ids));
-        REPLAYSSM_RETURN_IF_ERROR(step(buf.get<const std::int32_t>(), j % kInputSets));
+        REPLAYSSM_RETURN_IF_ERROR(step(buf.get<const std::int32_t>(), j));
       }
       REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     }
@@ -206,7 +208,7 @@ class CaseRunner {
     const Status st = [&]() -> Status {
       for (int s = 0; s < steps; ++s) {
         for (int g = 0; g < groups_; ++g) {
-          REPLAYSSM_RETURN_IF_ERROR(step(ids_[std::size_t(g)].get<const std::int32_t>(), s % kInputSets));
+          REPLAYSSM_RETURN_IF_ERROR(step(ids_[std::size_t(g)].get<const std::int32_t>(), s));
         }
       }
       return Status::ok();
@@ -220,9 +222,10 @@ class CaseRunner {
   }
 
  private:
-  // One step of one slot group: every layer's decode, then the commit.
-  Status step(const std::int32_t* ids, int set) {
-    const std::size_t s = std::size_t(set);
+  // Step `index` of a cycle for one slot group: every layer's decode, then the commit of that
+  // step's accepted counts.
+  Status step(const std::int32_t* ids, int index) {
+    const std::size_t s = std::size_t(index % kInputSets);
     Mamba2DecodeArgs a;
     a.batch = batch_;
     a.num_tokens = window_;
@@ -241,7 +244,7 @@ class CaseRunner {
     CommitArgs c;
     c.batch = batch_;
     c.slot_ids = ids;
-    c.accepted = accepted_.get<const std::int32_t>();
+    c.accepted = accepted_.at(index);
     return state_cache_commit(*cache_, c, stream_);
   }
 
@@ -252,7 +255,7 @@ class CaseRunner {
   std::unique_ptr<StateCache> cache_;
   std::vector<std::vector<std::int32_t>> host_ids_;
   std::vector<DeviceBuffer> ids_;
-  DeviceBuffer accepted_;
+  AcceptedCounts accepted_;  // read by the captured graph: lives as long as the runner
 };
 
 // Bytes of the copy a step streams per row, to size the slot rotation.
@@ -271,7 +274,7 @@ struct CaseSpec {
   DecodeMode mode = DecodeMode::kEager;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
   int window = 1;
-  int accepted = 1;
+  int accepted = 1;  // k, or kRandomAcceptance
 };
 
 // Times one case: µs per step (one decode + commit of the batch), median and min.
@@ -296,16 +299,21 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   config.share_forked_checkpoints = o.share_forked_checkpoints && cs.mode == DecodeMode::kReplay;
   OwnedStream stream;
   REPLAYSSM_RETURN_IF_ERROR(stream.create());
+  // One graph = one fold cycle: ceil(L / k) steps (L for plain decoding). Random acceptance:
+  // random_acceptance_steps distinct draws, eager and replay alike (the same pattern), over
+  // which every row folds several times on its own cadence; the warm-up launch spreads the
+  // rows' fold phases from the aligned start.
+  const bool random = cs.accepted == kRandomAcceptance;
+  const int steps = random ? random_acceptance_steps(cs.window, o.buffer_len)
+                    : cs.mode == DecodeMode::kReplay
+                        ? (o.buffer_len + cs.accepted - 1) / cs.accepted
+                        : o.buffer_len;
   CaseRunner runner(batch, groups, o.layers, inputs, stream.s);
-  REPLAYSSM_RETURN_IF_ERROR(runner.init(config, cs.window, cs.accepted));
+  REPLAYSSM_RETURN_IF_ERROR(runner.init(config, cs.window, cs.accepted, steps));
   if (o.flush == FlushPattern::kStaggered && cs.mode == DecodeMode::kReplay) {
     REPLAYSSM_RETURN_IF_ERROR(runner.stagger(o.buffer_len));
   }
-  // One graph = one fold cycle: ceil(L / k) steps (L for plain decoding).
-  const int steps = cs.mode == DecodeMode::kReplay
-                        ? (o.buffer_len + cs.accepted - 1) / cs.accepted
-                        : o.buffer_len;
-  GraphExec exec;
+  GraphExec exec;  // after the runner: destroyed first, while the buffers it reads still live
   REPLAYSSM_RETURN_IF_ERROR(runner.capture(steps, &exec));
   std::vector<double> us;
   REPLAYSSM_RETURN_IF_ERROR(time_graph(exec, stream.s, std::max(o.warmup_cycles, 1),
@@ -416,10 +424,12 @@ Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted
                            BenchReport* report) {
   if (report == nullptr) return invalid_argument("run_cuda_spec_bench: report is null");
   if (window < 2) return invalid_argument("spec bench: the window (spec tokens) must be >= 2");
-  if (accepted < 0 || accepted > window) {
-    return invalid_argument("spec bench: accepted tokens must be in [0, window] (0: all)");
+  const bool random = accepted == kRandomAcceptance;
+  if (!random && (accepted < 0 || accepted > window)) {
+    return invalid_argument(
+        "spec bench: accepted tokens must be in [0, window] (0: all) or kRandomAcceptance");
   }
-  const int k = accepted == 0 ? window : accepted;
+  const int k = accepted == 0 ? window : accepted;  // kRandomAcceptance stays as it is
   std::int64_t min_state_bytes = 0;
   BenchReport out;
   REPLAYSSM_RETURN_IF_ERROR(start_run(options, &min_state_bytes, &out));
@@ -434,21 +444,32 @@ Status run_cuda_spec_bench(const BenchOptions& options, int window, int accepted
       if (options.progress) {
         options.progress(double(done++) / double(total),
                          std::string(shape.name) + " batch " + std::to_string(batch) +
-                             " spec T=" + std::to_string(window));
+                             " spec T=" + std::to_string(window) +
+                             (random ? " k random" : " k=" + std::to_string(k)));
       }
+      // What the cases commit per row and step on average: the draws are those the cases make
+      // (the same window, batch and steps give the same pattern).
+      const double k_mean =
+          random ? random_acceptance_draws_mean(random_acceptance_draws(
+                       window, batch, random_acceptance_steps(window, options.buffer_len)))
+                 : double(k);
       BytesModelCase bm;
       bm.dims = shape.dims();
       bm.batch = batch;
       bm.state_dtype = options.eager_state_dtype;
       bm.buffer_len = options.buffer_len;
       bm.input_dtype = options.input_dtype;
-      bm.accepted = k;
+      // The bytes model takes a whole k (its fold cycle is ceil(L / k) steps); random
+      // acceptance is modelled at the draws' mean rounded, within [1, T]: an estimate, as rows
+      // of random k fold every L / mean steps or so on average, not on a fixed cycle.
+      bm.accepted = random ? std::clamp(int(std::lround(k_mean)), 1, window) : k;
       auto add = [&](CheckpointPrecision c, double eager_us, double replay_us) {
         SpecBenchResult s;
         s.shape = shape.name;
         s.batch = batch;
         s.window = window;
         s.accepted = k;
+        s.accepted_mean = k_mean;
         s.buffer_len = options.buffer_len;
         s.checkpoint = c;
         s.eager_fused = true;  // the library's eager window: T + 1 state transfers

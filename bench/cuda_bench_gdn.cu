@@ -27,6 +27,7 @@ namespace replayssm {
 
 namespace {
 
+using bench_cuda::AcceptedCounts;
 using bench_cuda::GraphExec;
 using bench_cuda::OwnedStream;
 using bench_cuda::time_graph;
@@ -100,7 +101,7 @@ struct CaseConfig {
   int groups = 1;     ///< slot groups rotated step by step
   int layers = 1;
   int window = 1;     ///< T: the tokens each decode verifies (eager: a state copy per token)
-  int accepted = 1;   ///< replay: tokens committed per step
+  int accepted = 1;   ///< tokens committed per step (k), or kRandomAcceptance
   int buffer_len = 16;
   int cycle_steps = 16;
   DecodeMode mode = DecodeMode::kReplay;
@@ -141,9 +142,7 @@ class CaseRunner {
       groups_.emplace_back();
       REPLAYSSM_RETURN_IF_ERROR(groups_.back().assign(Device::kCuda, ids));
     }
-    REPLAYSSM_RETURN_IF_ERROR(
-        accepted_.assign(Device::kCuda,
-                         std::vector<std::int32_t>(std::size_t(c_.batch), c_.accepted)));
+    REPLAYSSM_RETURN_IF_ERROR(accepted_.init(c_.batch, c_.window, c_.accepted, c_.cycle_steps));
     const int T = decode_tokens();
     for (int i = 0; i < kInputSets; ++i) {
       inputs_.emplace_back();
@@ -167,7 +166,7 @@ class CaseRunner {
         }
         DeviceBuffer d;
         REPLAYSSM_RETURN_IF_ERROR(d.assign(Device::kCuda, masked));
-        REPLAYSSM_RETURN_IF_ERROR(step(d.get<std::int32_t>(), j % kInputSets));
+        REPLAYSSM_RETURN_IF_ERROR(step(d.get<std::int32_t>(), j));
         REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
       }
     }
@@ -178,7 +177,7 @@ class CaseRunner {
   Status cycle() {
     for (int s = 0; s < c_.cycle_steps; ++s) {
       for (const DeviceBuffer& ids : groups_) {
-        REPLAYSSM_RETURN_IF_ERROR(step(ids.get<std::int32_t>(), s % kInputSets));
+        REPLAYSSM_RETURN_IF_ERROR(step(ids.get<std::int32_t>(), s));
       }
     }
     return Status::ok();
@@ -192,11 +191,12 @@ class CaseRunner {
  private:
   [[nodiscard]] int decode_tokens() const { return c_.window; }
 
-  // One step of one slot group: every layer's decode, then the commit, in every mode, as a
-  // model steps (replay: the cursors; eager spec: the accepted state copy; eager plain
-  // decoding: the committed count), and as the Mamba-2 side of the bench times it.
-  Status step(const std::int32_t* ids, int input_set) {
-    const DeviceInputs& in = inputs_[std::size_t(input_set % kInputSets)];
+  // Step `index` of a cycle for one slot group: every layer's decode, then the commit of that
+  // step's accepted counts, in every mode, as a model steps (replay: the cursors; eager spec:
+  // the accepted state copy; eager plain decoding: the committed count), and as the Mamba-2
+  // side of the bench times it.
+  Status step(const std::int32_t* ids, int index) {
+    const DeviceInputs& in = inputs_[std::size_t(index % kInputSets)];
     for (int layer = 0; layer < c_.layers; ++layer) {
       GdnDecodeArgs a;
       a.layer = layer;
@@ -214,7 +214,7 @@ class CaseRunner {
     CommitArgs commit;
     commit.batch = c_.batch;
     commit.slot_ids = ids;
-    commit.accepted = accepted_.get<std::int32_t>();
+    commit.accepted = accepted_.at(index);
     return state_cache_commit(*cache_, commit, stream_);
   }
 
@@ -223,7 +223,8 @@ class CaseRunner {
   std::unique_ptr<StateCache> cache_;
   std::vector<std::vector<std::int32_t>> host_groups_;
   std::vector<DeviceBuffer> groups_;
-  DeviceBuffer accepted_, out_;
+  AcceptedCounts accepted_;  // read by the captured graph: lives as long as the runner
+  DeviceBuffer out_;
   std::vector<DeviceInputs> inputs_;
 };
 
@@ -334,12 +335,17 @@ Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, i
   if (shape.kind != LayerKind::kGdn) {
     return invalid_argument("run_cuda_bench_gdn_spec: not a GDN shape");
   }
+  // Random acceptance: eager and replay step through the same random_acceptance_steps draws,
+  // over which every replay row folds several times on its own cadence.
+  const bool random = accepted == kRandomAcceptance;
+  const int random_steps = random ? random_acceptance_steps(window, options.buffer_len) : 0;
   CaseConfig eager;
   eager.shape = shape.gdn;
   eager.batch = batch;
   eager.window = window;
+  eager.accepted = accepted;  // the commit selects the accepted copy (no state moves)
   eager.buffer_len = options.buffer_len;
-  eager.cycle_steps = options.buffer_len;
+  eager.cycle_steps = random ? random_steps : options.buffer_len;
   eager.mode = DecodeMode::kEager;
   eager.state_dtype = options.eager_state_dtype;
   eager.input_dtype = options.input_dtype;
@@ -352,10 +358,10 @@ Status run_cuda_bench_gdn_spec(const BenchShape& shape, int batch, int window, i
     CaseConfig c = eager;
     c.mode = DecodeMode::kReplay;
     c.checkpoint = p;
-    c.accepted = accepted;
     // Whole fold cycles: with k tokens committed per step a fold falls due every ceil(L/k)
     // steps; three of them.
-    c.cycle_steps = 3 * ((options.buffer_len + accepted - 1) / std::max(1, accepted));
+    c.cycle_steps = random ? random_steps
+                           : 3 * ((options.buffer_len + accepted - 1) / std::max(1, accepted));
     c.groups = slot_groups(shape.gdn, batch, bytes_model_read_copy_elem(c.mode, c.state_dtype, p), options);
     GdnSpecResult r;
     double us_min = 0.0;

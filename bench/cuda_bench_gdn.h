@@ -27,12 +27,15 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
 ///           commit of `accepted` of them (folds fall due as history accumulates);
 ///   eager spec: one decode of an eager cache with max_spec_tokens = T (the baseline: the
 ///           state read once and one state copy written per window token, T + 1 state
-///           transfers; eager_fused_us = eager_us), then the commit that selects a copy.
+///           transfers; eager_fused_us = eager_us), then the commit that selects the copy of
+///           the same `accepted`.
+/// accepted = kRandomAcceptance (spec_acceptance.h): both commit the same per-row, per-step
+/// draws over random_acceptance_steps steps.
 struct GdnSpecResult {
   std::string shape;
   int batch = 0;
   int window = 0;    ///< T
-  int accepted = 0;  ///< k committed per step
+  int accepted = 0;  ///< k committed per step, or kRandomAcceptance
   int buffer_len = 0;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
   double replay_us = 0.0;

@@ -1,16 +1,19 @@
 #pragma once
 // What both halves of the CUDA benchmark (cuda_bench.cu: Mamba-2, cuda_bench_gdn.cu: GDN) use:
-// device memory they own, a stream, and the timed replay of a captured CUDA graph.
+// device memory they own, a stream, the accepted counts their commits read, and the timed
+// replay of a captured CUDA graph.
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "common/device_buffer.h"
 #include "cuda/common/check.cuh"
 #include "replayssm/status.h"
+#include "spec_acceptance.h"
 
 namespace replayssm::bench_cuda {
 
@@ -30,6 +33,39 @@ struct OwnedStream {
   ~OwnedStream() {
     if (s != nullptr) (void)cudaStreamDestroy(s);
   }
+};
+
+/// The accepted counts [batch] a case's commits read, on the device, by step: a fixed k is one
+/// array that every step reads; random acceptance (kRandomAcceptance) is one array per step of
+/// the pattern (random_acceptance_draws), step s of a cycle reading array s. A captured graph
+/// holds these pointers, so the counts must outlive it. Every slot group commits the same draws:
+/// the groups only spread the state over memory, and eager and replay cases, which rotate
+/// different numbers of groups, then commit the same pattern.
+class AcceptedCounts {
+ public:
+  /// `steps`: the steps of the cycle the graph captures (random acceptance draws that many).
+  Status init(int batch, int window, int accepted, int steps) {
+    std::vector<std::vector<std::int32_t>> counts;
+    if (accepted == kRandomAcceptance) {
+      if (steps < 1) return invalid_argument("random acceptance needs at least one step");
+      counts = random_acceptance_draws(window, batch, steps);
+    } else {
+      counts.emplace_back(std::size_t(batch), accepted);
+    }
+    per_step_.clear();
+    for (const std::vector<std::int32_t>& step : counts) {
+      per_step_.emplace_back();
+      REPLAYSSM_RETURN_IF_ERROR(per_step_.back().assign(Device::kCuda, step));
+    }
+    return Status::ok();
+  }
+  /// The counts step `step` of a cycle commits (a fixed k: the same array for every step).
+  [[nodiscard]] const std::int32_t* at(int step) const {
+    return per_step_[std::size_t(step) % per_step_.size()].get<const std::int32_t>();
+  }
+
+ private:
+  std::vector<DeviceBuffer> per_step_;
 };
 
 struct GraphExec {

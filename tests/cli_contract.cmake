@@ -4,12 +4,22 @@
 #
 # replayssm_cli_check(<name> ok|error [MATCH regex] [TIMEOUT s] [FSIZE_BLOCKS n] [ABSENT path]
 #                     [UNCHANGED file|reference] [COPY source|destination] [APPEND text]
-#                     ARGS <tool arguments...>)   (cli_expect.cmake says what each one checks)
+#                     [TOOL target] ARGS <tool arguments...>)
+# (cli_expect.cmake says what each one checks.) TOOL: another executable of the project instead
+# of the replayssm tool, one that reports an error as one line "<target>: ..." (as
+# replayssm_cuda_bench does) where the replayssm tool writes "error: ...".
 function(replayssm_cli_check name expect)
-  cmake_parse_arguments(arg "" "MATCH;TIMEOUT;FSIZE_BLOCKS;ABSENT;UNCHANGED;COPY;APPEND" "ARGS"
-                        ${ARGN})
+  cmake_parse_arguments(arg "" "MATCH;TIMEOUT;FSIZE_BLOCKS;ABSENT;UNCHANGED;COPY;APPEND;TOOL"
+                        "ARGS" ${ARGN})
   list(JOIN arg_ARGS "|" args)
-  set(defines -DTOOL=$<TARGET_FILE:replayssm_tool> -DEXPECT=${expect} "-DARGS=${args}")
+  set(tool replayssm_tool)
+  set(error_prefix "error: ")
+  if(DEFINED arg_TOOL)
+    set(tool ${arg_TOOL})
+    set(error_prefix "${arg_TOOL}: ")
+  endif()
+  set(defines -DTOOL=$<TARGET_FILE:${tool}> -DEXPECT=${expect} "-DARGS=${args}"
+              "-DERROR_PREFIX=${error_prefix}")
   foreach(key MATCH FSIZE_BLOCKS ABSENT UNCHANGED COPY APPEND)
     if(DEFINED arg_${key})
       list(APPEND defines "-D${key}=${arg_${key}}")
@@ -82,6 +92,34 @@ replayssm_cli_check(trailing_bytes error MATCH "4 bytes follow the end of the te
 if(NOT REPLAYSSM_ENABLE_CUDA)
   replayssm_cli_check(demo_cuda_without_cuda error TIMEOUT 5 MATCH "--device cuda"
     ARGS demo --device cuda)
+endif()
+
+# --spec-accepted: an integer in [0, T] or `random`, checked before the device (so on any
+# machine). A valid value gets as far as the next check: here, that the spec bench is CUDA only.
+replayssm_cli_check(bench_spec_accepted_random_parses error TIMEOUT 10
+  MATCH "--spec-tokens \\(-T\\) > 1 needs --device cuda"
+  ARGS bench --device cpu -T 4 --spec-accepted random)
+replayssm_cli_check(bench_spec_accepted_above_window error TIMEOUT 10
+  MATCH "--spec-accepted must be an integer in \\[0, 4\\] \\(at most --spec-tokens \\(-T\\), 0 = all\\) or 'random', got '9'"
+  ARGS bench --device cuda -T 4 --spec-accepted 9)
+replayssm_cli_check(bench_spec_accepted_not_a_number error TIMEOUT 10
+  MATCH "--spec-accepted must be an integer in \\[0, 4\\] .* or 'random', got 'sometimes'"
+  ARGS bench --device cuda -T 4 --spec-accepted sometimes)
+replayssm_cli_check(bench_help_shows_random_acceptance ok
+  MATCH "--spec-accepted INT\\|random=0.*or random: per row and step" ARGS bench --help)
+if(REPLAYSSM_ENABLE_CUDA)
+  # The same values in the full CUDA sweep, checked before its first case. `random` passes and
+  # the run stops at the next check, an unknown shape, which comes before the GPU's.
+  replayssm_cli_check(cuda_bench_spec_accepted_random_parses error TIMEOUT 10
+    TOOL replayssm_cuda_bench MATCH "unknown shape 'nosuch'"
+    ARGS --shapes nosuch --spec-accepted random)
+  replayssm_cli_check(cuda_bench_spec_accepted_above_window error TIMEOUT 10
+    TOOL replayssm_cuda_bench
+    MATCH "--spec-accepted must be an integer in \\[0, 4\\] \\(at most --spec-window, 0 = all\\) or 'random', got '9'"
+    ARGS --spec-window 4 --spec-accepted 9)
+  replayssm_cli_check(cuda_bench_spec_accepted_not_a_number error TIMEOUT 10
+    TOOL replayssm_cuda_bench MATCH "--spec-accepted must be an integer .* got 'sometimes'"
+    ARGS --spec-accepted sometimes)
 endif()
 
 # The quick bench prints its table's legend; the demo checks agreement itself (it fails when

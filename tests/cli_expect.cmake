@@ -3,6 +3,7 @@
 # joined by "|"; EXPECT=ok: exit 0. EXPECT=error: a non-zero exit and stderr exactly one line
 # "error: ...", which also fails a crash (no such line).
 # Optional:
+#   ERROR_PREFIX what that one line starts with instead of "error: " (another tool's form)
 #   MATCH        a regex the error line (EXPECT=error) or stdout (EXPECT=ok) must match
 #   FSIZE_BLOCKS run under `ulimit -f FSIZE_BLOCKS` (a write past it fails, like a full disk)
 #   ABSENT       a path that must not exist afterwards (a failed write leaves no file)
@@ -35,8 +36,11 @@ else()
   if(rc EQUAL 0)
     message(FATAL_ERROR "expected an error, got success: ${out}")
   endif()
-  if(NOT err MATCHES "^error: [^\n]+\n$")
-    message(FATAL_ERROR "expected one 'error: ...' line on stderr (exit '${rc}'), got: ${err}")
+  if(NOT DEFINED ERROR_PREFIX)
+    set(ERROR_PREFIX "error: ")
+  endif()
+  if(NOT err MATCHES "^${ERROR_PREFIX}[^\n]+\n$")
+    message(FATAL_ERROR "expected one '${ERROR_PREFIX}...' line on stderr (exit '${rc}'), got: ${err}")
   endif()
   if(DEFINED MATCH AND NOT err MATCHES "${MATCH}")
     message(FATAL_ERROR "expected the error to match '${MATCH}', got: ${err}")
