@@ -509,6 +509,11 @@ template <typename input_t, typename stream_t>
 inline constexpr bool kReadOnTensorCores =
     std::is_same_v<input_t, bf16_t> &&
     (std::is_same_v<stream_t, bf16_t> || std::is_same_v<stream_t, fp8e4m3_t>);
+/// Whether an instantiation holds that code: one that runs single tokens only (the plain one:
+/// T <= 1) never reads a bf16 copy on the tensor cores, and without the code it spills less.
+template <typename input_t, typename stream_t, bool kMultiToken>
+inline constexpr bool kReadMmaCompiled =
+    kReadOnTensorCores<input_t, stream_t> && (kMultiToken || std::is_same_v<stream_t, fp8e4m3_t>);
 template <typename input_t, typename stream_t>
 __device__ __forceinline__ bool read_on_tensor_cores(int T) {
   if constexpr (kReadOnTensorCores<input_t, stream_t>) {
@@ -518,34 +523,38 @@ __device__ __forceinline__ bool read_on_tensor_cores(int T) {
   }
 }
 
-// The tile shape of read_tile_mma: each warp takes one 16-row m-tile of a stage and a run of
-// its columns (bf16 stages of 64 rows: half the columns each; fp8 stages of 128 rows: all).
+// The tile shape of read_tile_mma: every warp takes whole rows, all kDstate columns. An fp8
+// stage (128 rows) is a 16-row m-tile per warp, the window's tokens the n columns. A bf16 stage
+// (64 rows) has half as many m-tiles as warps; splitting their columns between two warps made
+// them add their halves with shared-memory float atomics (a compare-and-swap loop on sm_90: a
+// sixth of a 4-token window's instructions and a quarter of its stall samples). So there the
+// roles swap: the tokens are the m rows (T <= 8 of 16) and each warp's 8 rows the n columns.
 template <typename stream_t>
 struct ReadMma {
-  static constexpr int kMTiles = kTileRows<stream_t> / 16;
   static constexpr int kWarps = kReplayThreads / 32;
-  static constexpr int kSplit = kWarps / kMTiles;    // warps per m-tile
-  static constexpr int kCols = kDstate / kSplit;     // columns per warp
-  static constexpr int kSteps = kCols / 16;          // k-steps of 16 columns
-  static_assert(kWarps % kMTiles == 0, "whole m-tiles per warp");
+  static constexpr bool kRowsAsN = kTileRows<stream_t> == 8 * kWarps;
+  static constexpr int kSteps = kDstate / 16;  // k-steps of 16 columns
+  static_assert(sizeof(stream_t) == 4 || kRowsAsN || kTileRows<stream_t> == 16 * kWarps,
+                "8 or 16 rows per warp (fp32 stages are read on the CUDA cores)");
+  static_assert(kMaxWindow <= 8, "a window's tokens fit the fragments' rows or columns g < 8");
 };
 
-// The B fragments of a reading step: C_n for window token n = g (zero past T) over this warp's
-// columns, in the permuted k order of read_tile_mma (k 2t, 2t+1 are columns 4t, 4t+1 of a
-// 16-column step and k 2t+8, 2t+9 are 4t+2, 4t+3, so that a lane's A operand is 4 contiguous
-// columns of its rows). Loaded once per block: C is the same for every tile.
+// The C fragments of a reading step: C_n for window token n = g (zero past T), in the permuted
+// k order of read_tile_mma (k 2t, 2t+1 are columns 4t, 4t+1 of a 16-column step and k 2t+8,
+// 2t+9 are 4t+2, 4t+3, so that a lane's state operand is 4 contiguous columns of its row).
+// They are the B operand (n = token) of an fp8 stage's mma and the nonzero half of the A
+// operand (m = token) of a bf16 stage's: the same registers either way. Loaded once per block:
+// C is the same for every tile.
 template <typename stream_t>
 __device__ __forceinline__ void load_c_fragments(
-    const Block& k, std::uint32_t (&b)[ReadMma<stream_t>::kSteps][2]) {
-  using Shape = ReadMma<stream_t>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int col0 = (warp / Shape::kMTiles) * Shape::kCols;
+    const Block& k, std::uint32_t (&c_frag)[ReadMma<stream_t>::kSteps][2]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const auto* c = reinterpret_cast<const std::uint32_t*>(k.ptr<bf16_t>(k.at.C()) + g * kDstate);
 #pragma unroll
-  for (int s = 0; s < Shape::kSteps; ++s) {
-    const int col = col0 + 16 * s + 4 * t;
-    b[s][0] = g < k.T ? c[col / 2] : 0u;
-    b[s][1] = g < k.T ? c[col / 2 + 1] : 0u;
+  for (int s = 0; s < ReadMma<stream_t>::kSteps; ++s) {
+    const int col = 16 * s + 4 * t;
+    c_frag[s][0] = g < k.T ? c[col / 2] : 0u;
+    c_frag[s][1] = g < k.T ? c[col / 2 + 1] : 0u;
   }
 }
 
@@ -570,45 +579,51 @@ __device__ __forceinline__ void load_quad(const fp8e4m3_t* at, std::uint32_t& lo
 }
 
 // Step 3 of a reading (non-fold) step on the tensor cores: (S·C_n)[row] for the stage's rows
-// and every window token n as one m16n8k16 product per 16 columns (the T tokens are the n
-// columns of B), accumulated in fp32 without any shuffle. Per lane and 16-row tile that is
-// a few shared-memory loads and mma instructions where the CUDA cores need, per row, a load,
-// an unpack and an FMA per element and a reduction across the row's lanes per token. With two
-// warps per m-tile (bf16), each adds its half of the columns into `dots` (zeroed first): two
-// additions onto zero, so the result does not depend on their order.
+// and every window token n, as one m16n8k16 product per 16 columns, accumulated in fp32 without
+// any shuffle. Per lane and tile that is a few shared-memory loads and mma instructions where
+// the CUDA cores need, per row, a load, an unpack and an FMA per element and a reduction across
+// the row's lanes per token. Every product (token, row) has one writer.
 template <CheckpointPrecision P, typename stream_t>
 __device__ __forceinline__ void read_tile_mma(
     const Block& k, const stream_t* stage, int tile,
-    const std::uint32_t (&b)[ReadMma<stream_t>::kSteps][2]) {
+    const std::uint32_t (&c_frag)[ReadMma<stream_t>::kSteps][2]) {
   using Shape = ReadMma<stream_t>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int mt = warp % Shape::kMTiles;
-  const int col0 = (warp / Shape::kMTiles) * Shape::kCols;
-  const int r0 = tile * kTileRows<stream_t> + mt * 16;  // in the block's run
+  constexpr int kWarpRows = Shape::kRowsAsN ? 8 : 16;
+  const int r0 = tile * kTileRows<stream_t> + warp * kWarpRows;  // in the block's run
   if (r0 >= k.rows) return;
-  const int row_g = mt * 16 + g, row_g8 = row_g + 8;  // in the stage
+  const int row_g = warp * kWarpRows + g;  // in the stage
   float acc[4] = {};
+  if constexpr (Shape::kRowsAsN) {
+    // D[token][row]: A = the C fragments in rows g < 8 (rows g + 8 zero), B = 4 contiguous
+    // columns of state row g of the warp's 8.
 #pragma unroll
-  for (int s = 0; s < Shape::kSteps; ++s) {
-    const int col = col0 + 16 * s + 4 * t;
-    std::uint32_t a[4];
-    load_quad(Stage<stream_t>::at(stage, row_g, col), a[0], a[2]);
-    load_quad(Stage<stream_t>::at(stage, row_g8, col), a[1], a[3]);
-    mma_bf16(acc, a, b[s][0], b[s][1]);
+    for (int s = 0; s < Shape::kSteps; ++s) {
+      std::uint32_t b0, b1;
+      load_quad(Stage<stream_t>::at(stage, row_g, 16 * s + 4 * t), b0, b1);
+      const std::uint32_t a[4] = {c_frag[s][0], 0u, c_frag[s][1], 0u};
+      mma_bf16(acc, a, b0, b1);
+    }
+  } else {
+    // D[row][token]: A = 4 contiguous columns of state rows g and g + 8, B = the C fragments.
+#pragma unroll
+    for (int s = 0; s < Shape::kSteps; ++s) {
+      std::uint32_t a[4];
+      load_quad(Stage<stream_t>::at(stage, row_g, 16 * s + 4 * t), a[0], a[2]);
+      load_quad(Stage<stream_t>::at(stage, row_g + 8, 16 * s + 4 * t), a[1], a[3]);
+      mma_bf16(acc, a, c_frag[s][0], c_frag[s][1]);
+    }
   }
   float* dots = k.ptr(k.at.dot());
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int r = r0 + g + 8 * (e / 2), n = 2 * t + e % 2;
+    // Where accumulator e of this lane belongs (mma.cuh: D row g + 8·(e / 2), column 2t + e % 2).
+    const int r = Shape::kRowsAsN ? r0 + 2 * t + e % 2 : r0 + g + 8 * (e / 2);
+    const int n = Shape::kRowsAsN ? g + 8 * (e / 2) : 2 * t + e % 2;
     if (r >= k.rows || n >= k.T) continue;
     float value = acc[e];
     if constexpr (CheckpointTypes<P>::kScaled) value *= k.ptr(k.at.scale())[r];
-    float* out = dots + n * k.rows + r;
-    if constexpr (Shape::kSplit == 1) {
-      *out = value;
-    } else {
-      atomicAdd(out, value);
-    }
+    dots[n * k.rows + r] = value;
   }
 }
 
@@ -858,17 +873,11 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
   int hl = group / k.P, pr = group % k.P;
   bool mma = false;  // whether this fold runs on the tensor cores
   if constexpr (kFold) mma = fold_on_tensor_cores(k);
-  constexpr bool kReadMma = !kFold && kReadOnTensorCores<input_t, stream_t>;
+  constexpr bool kReadMma = !kFold && kReadMmaCompiled<input_t, stream_t, kWindow || kConv>;
   const bool read_mma = kReadMma && p.tc_read && read_on_tensor_cores<input_t, stream_t>(k.T);
-  std::uint32_t cfrag[ReadMma<stream_t>::kSteps][2];
+  std::uint32_t c_frag[ReadMma<stream_t>::kSteps][2];
   if constexpr (kReadMma) {
-    if (read_mma) load_c_fragments<stream_t>(k, cfrag);
-  }
-  if (read_mma && ReadMma<stream_t>::kSplit > 1) {
-    // the tensor-core reads add column halves into `dots`; the tile loop's first barrier
-    // orders these stores before any addition
-    float* dots = k.ptr(k.at.dot());
-    for (int i = threadIdx.x; i < k.hpc * k.Tm * k.P; i += blockDim.x) dots[i] = 0.0f;
+    if (read_mma) load_c_fragments<stream_t>(k, c_frag);
   }
   for (int tile = 0; tile < ntiles; ++tile) {
     cp_async_wait<kS - 1>();
@@ -876,7 +885,7 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
     auto* stage = reinterpret_cast<stream_t*>(k.smem + k.at.pipe() + (tile % kS) * kTileBytes);
     if constexpr (kReadMma) {
       if (read_mma) {
-        read_tile_mma<P>(k, stage, tile, cfrag);
+        read_tile_mma<P>(k, stage, tile, c_frag);
         __syncthreads();  // the stage is free again
         issue_tile(k, src, tile + kS);
         continue;
