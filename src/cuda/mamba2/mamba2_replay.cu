@@ -509,19 +509,20 @@ template <typename input_t, typename stream_t>
 inline constexpr bool kReadOnTensorCores =
     std::is_same_v<input_t, bf16_t> &&
     (std::is_same_v<stream_t, bf16_t> || std::is_same_v<stream_t, fp8e4m3_t>);
-/// Whether an instantiation holds that code: one that runs single tokens only (the plain one:
-/// T <= 1) never reads a bf16 copy on the tensor cores, and without the code it spills less.
-template <typename input_t, typename stream_t, bool kMultiToken>
-inline constexpr bool kReadMmaCompiled =
-    kReadOnTensorCores<input_t, stream_t> && (kMultiToken || std::is_same_v<stream_t, fp8e4m3_t>);
 template <typename input_t, typename stream_t>
-__device__ __forceinline__ bool read_on_tensor_cores(int T) {
+__host__ __device__ constexpr bool read_on_tensor_cores(int T) {
   if constexpr (kReadOnTensorCores<input_t, stream_t>) {
     return std::is_same_v<stream_t, fp8e4m3_t> || T >= 2;
   } else {
     return false;
   }
 }
+/// Whether an instantiation holds that code: one that runs single tokens only (the plain one:
+/// T <= 1) holds it only where the rule above takes the tensor cores at T = 1 (fp8); without
+/// the code a bf16 copy's single-token kernel spills less.
+template <typename input_t, typename stream_t, bool kMultiToken>
+inline constexpr bool kReadMmaCompiled = kMultiToken ? kReadOnTensorCores<input_t, stream_t>
+                                                     : read_on_tensor_cores<input_t, stream_t>(1);
 
 // The tile shape of read_tile_mma: every warp takes whole rows, all kDstate columns. An fp8
 // stage (128 rows) is a 16-row m-tile per warp, the window's tokens the n columns. A bf16 stage
