@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "common/checkpoint_traits.h"
 #include "cuda/common/dispatch.cuh"
 #include "replayssm/ops.h"
 #include "replayssm/status.h"
@@ -112,17 +113,18 @@ inline constexpr int kReadBlocksPerSm = 1;
 /// both; at batch 16 (8 against 2) the split takes fp32 from 50.1 / 28.5 to 32.3 / 33.8.
 inline constexpr int kMinReadToFoldHeads = 3;
 /// Blocks that the register budget lets an SM hold (replay_kernel's launch bounds), and what
-/// launch() cuts heads per block toward for an fp32 read copy. A verify window's staging grows
-/// with max_spec_tokens: super120b's blocks of 8 heads take ~78 KB at T = 2 and ~94 KB at T = 4,
-/// so only 2 stay resident. An fp32 read copy (T dot products per row on the CUDA cores) gains
-/// from the third block's warps, so its heads per block are cut until this many blocks fit an
-/// SM's shared memory, when half the heads or more remain (REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS
-/// overrides the count for every precision; 0 = never). Batch 256, µs per window, cut · kept
-/// (docs/BENCHMARKS_CUDA_MAMBA2.md, section 9): super120b fp32 T = 2 390 · 412, T = 4 578 · 611;
-/// nano4b fp32 T = 4 (6 → 3 heads) 571 · 570. Not for the tensor-core reads (fp32+fp8 T = 4
-/// 569 · 552 on super120b, 7% worse on nano4b), nor deeper cuts (T = 8, 8 → 1 heads: fp32
-/// 1780 · 1602, the window staged 8 times as often). T = 1 blocks with bf16 activations
-/// (~71 KB) fit 3 already; with fp32 activations (~93 KB) they are cut (not measured).
+/// launch() cuts heads per block toward for an fp32 read copy. A verify window's staging grows with
+/// max_spec_tokens: at L = 16 super120b's blocks of 8 heads take ~67 KB at T = 2 and ~80 KB at T =
+/// 4 (~78 and ~94 KB while windows staged B in fp32 too), so only 2 stay resident at T = 4. An fp32
+/// read copy (T dot products per row on the CUDA cores) gains from the third block's warps, so its
+/// heads per block are cut until this many blocks fit an SM's shared memory, when half the heads or
+/// more remain (REPLAYSSM_TUNE_MAMBA2_RESIDENT_BLOCKS overrides the count for every precision; 0 =
+/// never). Batch 256, µs per window, cut · kept (docs/BENCHMARKS_CUDA_MAMBA2.md, section 9):
+/// super120b fp32 T = 2 390 · 412, T = 4 578 · 611; nano4b fp32 T = 4 (6 → 3 heads) 571 · 570. Not
+/// for the tensor-core reads (fp32+fp8 T = 4 569 · 552 on super120b, 7% worse on nano4b), nor
+/// deeper cuts (T = 8, 8 → 1 heads: fp32 1780 · 1602, the window staged 8 times as often); measured
+/// with the larger staging. T = 1 blocks with bf16 activations (~69 KB) fit 3 already; with fp32
+/// activations (~93 KB) they are cut (not measured).
 inline constexpr int kReplayResidentBlocks = 3;
 /// From this batch a replay launch serves the rows whose fold is due first
 /// (state_cache/fold_order.cuh). super120b, staggered / aligned, µs: batch 16, fp32 · bf16 ·
@@ -133,20 +135,22 @@ inline constexpr int kFoldFirstMinBatch = kEarlyTilesBatch;
 
 /// Shared-memory carve-up of a replay block, in bytes (16-byte aligned pieces).
 struct ReplaySmem {
-  int R;          // records staged (StateCacheLayout::max_records)
-  int Tm;         // widest window (max_spec_tokens)
-  int P;          // head_dim
-  int hpc;        // heads per block
-  int in_bytes;   // activation dtype size
+  int R;           // records staged (StateCacheLayout::max_records)
+  int Tm;          // widest window (max_spec_tokens)
+  int P;           // head_dim
+  int hpc;         // heads per block
+  int in_bytes;    // activation dtype size
+  int scale_rows;  // rows whose read-copy scale is staged: hpc·P for a scaled (fp8) copy, else 0
+  int keys_f32;    // records whose B is staged as fp32 too: R for single-token launches, else 0
   __host__ __device__ static int align16(int b) { return (b + 15) / 16 * 16; }
   __host__ __device__ int pipe() const { return 0; }                                // tiles
   __host__ __device__ int x() const { return kPipeBytes; }                          // [R][hpc][P] input
   __host__ __device__ int B() const { return x() + align16(R * hpc * P * in_bytes); }  // [R][N] input
   __host__ __device__ int C() const { return B() + align16(R * kDstate * in_bytes); }  // [Tm][N] input
-  __host__ __device__ int Bf() const { return C() + align16(Tm * kDstate * in_bytes); }  // [R][N] fp32
-  __host__ __device__ int Cf() const { return Bf() + R * kDstate * 4; }              // [Tm][N] fp32
-  __host__ __device__ int scale() const { return Cf() + Tm * kDstate * 4; }          // [hpc][P]
-  __host__ __device__ int dt() const { return scale() + align16(hpc * P * 4); }     // [R][hpc]
+  __host__ __device__ int Bf() const { return C() + align16(Tm * kDstate * in_bytes); }  // [keys_f32][N]
+  __host__ __device__ int Cf() const { return Bf() + keys_f32 * kDstate * 4; }       // [Tm][N] fp32
+  __host__ __device__ int scale() const { return Cf() + Tm * kDstate * 4; }          // [scale_rows]
+  __host__ __device__ int dt() const { return scale() + align16(scale_rows * 4); }  // [R][hpc]
   __host__ __device__ int decay() const { return dt() + align16(R * hpc * 4); }     // [R][hpc]
   __host__ __device__ int cum() const { return decay() + align16(R * hpc * 4); }    // [hpc][R]
   __host__ __device__ int fold_w() const { return cum() + align16(hpc * R * 4); }   // [hpc][R]
@@ -158,10 +162,23 @@ struct ReplaySmem {
   __host__ __device__ int bytes() const { return dot() + align16(hpc * Tm * P * 4); }
 };
 
-/// The shared memory of a replay block of `heads_per_cta` heads for a cache's config.
-inline ReplaySmem replay_smem(const StateCacheConfig& c, int heads_per_cta) {
-  return ReplaySmem{max_records(c.buffer_len, c.max_spec_tokens), c.max_spec_tokens,
-                    c.mamba2.head_dim, heads_per_cta, int(dtype_size(c.input_dtype))};
+/// The carve-up for R records, windows up to Tm, head_dim P, hpc heads, activations of
+/// in_bytes, a checkpoint with traits t, and a launch of the verify-window instantiation or
+/// not: the one rule for the host (replay_smem) and the kernel. Only a scaled read copy (fp8)
+/// stages its rows' scales. Single-token launches keep an fp32 copy of B (their tuned code
+/// reads it); verify windows widen the staged B as they load it, and the R·512 bytes saved
+/// let super120b's 4-token windows at L = 8 keep 3 blocks per SM instead of 2.
+__host__ __device__ inline ReplaySmem replay_smem_for(int R, int Tm, int P, int hpc, int in_bytes,
+                                                     CheckpointTraits t, bool window) {
+  return ReplaySmem{R, Tm, P, hpc, in_bytes, t.lo_row_scale ? hpc * P : 0, window ? 0 : R};
+}
+
+/// The shared memory of a replay block of `heads_per_cta` heads for a cache's config, for a
+/// launch of the verify-window instantiation or not (the default: the larger carve-up).
+inline ReplaySmem replay_smem(const StateCacheConfig& c, int heads_per_cta, bool window = false) {
+  return replay_smem_for(max_records(c.buffer_len, c.max_spec_tokens), c.max_spec_tokens,
+                         c.mamba2.head_dim, heads_per_cta, int(dtype_size(c.input_dtype)),
+                         checkpoint_traits(c.checkpoint), window);
 }
 
 /// Whether a cache's shape takes the generic kernels: dstate other than kDstate, or rows past

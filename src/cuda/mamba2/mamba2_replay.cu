@@ -272,10 +272,14 @@ __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed
     }
   }
 
-  // B and C as fp32 once, for the fold's and the dot products' inner loops.
-  float* Bf = k.ptr(k.at.Bf());
+  // C as fp32 once, for the dot products' inner loops; B too for a single token. A verify
+  // window's readers widen the staged B as they load it (a bf16 value is exact in fp32 and in
+  // TF32): its fp32 copy cost a block R·512 bytes of shared memory (replay_smem_for).
   float* Cf = k.ptr(k.at.Cf());
-  for (int i = threadIdx.x; i < (k.w + k.T) * kDstate; i += blockDim.x) Bf[i] = to_float(Bs[i]);
+  if constexpr (!kWindow) {
+    float* Bf = k.ptr(k.at.Bf());
+    for (int i = threadIdx.x; i < (k.w + k.T) * kDstate; i += blockDim.x) Bf[i] = to_float(Bs[i]);
+  }
   for (int i = threadIdx.x; i < k.T * kDstate; i += blockDim.x) Cf[i] = to_float(Cs[i]);
   __syncthreads();
 
@@ -288,7 +292,7 @@ __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed
     const int warp = threadIdx.x / 32, lane32 = threadIdx.x % 32;
     for (int d = warp; d < k.T * k.nout; d += blockDim.x / 32) {
       const int t = d / k.nout, i = d % k.nout;
-      const float* Bi = Bf + (k.out0 + i) * kDstate;
+      const float* Bi = k.ptr(k.at.Bf()) + (k.out0 + i) * kDstate;
       const float* Ct = Cf + t * kDstate;
       float dot = 0.0f;
       for (int n = lane32; n < kDstate; n += 32) dot += Bi[n] * Ct[n];
@@ -306,12 +310,15 @@ __device__ void prepare(const Params& p, const Block& k, std::uint32_t committed
         const int i = i0 + sub;
         float dot = 0.0f;
         if (i < k.nout) {
-          const float* Bi = Bf + (k.out0 + i) * kDstate;
+          const input_t* Bi = Bs + (k.out0 + i) * kDstate;
 #pragma unroll
           for (int n = lane * 4; n < kDstate; n += kDotLanes * 4) {
-            const float4 b = *reinterpret_cast<const float4*>(Bi + n);
+            Packed<input_t, 4> packed;
+            packed.load(Bi + n);
+            float b[4];
+            packed.unpack(b);
             const float4 c = *reinterpret_cast<const float4*>(Ct + n);
-            dot += b.x * c.x + b.y * c.y + b.z * c.z + b.w * c.w;
+            dot += b[0] * c.x + b[1] * c.y + b[2] * c.z + b[3] * c.w;
           }
         }
         dot = group_sum<kDotLanes>(dot);
@@ -432,7 +439,7 @@ __device__ __forceinline__ void store_pair(T* at, const float (&v)[2]) {
 // and the row pass that follows stores every copy and takes the outputs' dot products from
 // them, as after a fold on the CUDA cores. Per state element a fold on the CUDA cores costs w
 // FMAs plus a shared-memory load per 4 of them; here it is ~w/64 mma instructions per lane.
-template <typename input_t, typename stream_t>
+template <typename input_t, bool kWindow, typename stream_t>
 __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
   constexpr int kRows = kTileRows<stream_t>;
   constexpr int kMTiles = kRows / 16;
@@ -448,7 +455,13 @@ __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
   const int n0 = (warp / kMTiles) * kNTiles * 8;
   const float tau = k.ptr(k.at.fold_tau())[hl];
   const float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
+  const input_t* Bs = k.ptr<input_t>(k.at.B());
   const float* Bf = k.ptr(k.at.Bf());
+  // B_j[n]: from B's fp32 copy for a single token, widened from the staged B in a window.
+  const auto key = [&](int j, int n) {
+    if constexpr (kWindow) return to_float(Bs[j * kDstate + n]);
+    else return Bf[j * kDstate + n];
+  };
   const input_t* xs = k.ptr<input_t>(k.at.x());
   const int xrec = k.hpc * k.P;
   const int row_g = mt * 16 + g, row_g8 = row_g + 8;  // in the stage
@@ -478,8 +491,8 @@ __device__ void fold_tile_mma(const Block& k, stream_t* stage, int tile) {
     for (int nt = 0; nt < kNTiles; ++nt) {
       const int n = n0 + nt * 8 + g;
       // Records past w contribute zero and their B (unstaged memory) must not be read.
-      const float b0 = ja < k.w ? Bf[ja * kDstate + n] : 0.0f;
-      const float b1 = jb < k.w ? Bf[jb * kDstate + n] : 0.0f;
+      const float b0 = ja < k.w ? key(ja, n) : 0.0f;
+      const float b1 = jb < k.w ? key(jb, n) : 0.0f;
       if constexpr (std::is_same_v<input_t, float>) {
         const Tf32Pair p0(b0), p1(b1);
         mma_tf32(acc[nt], a_lo, p0.hi, p1.hi);
@@ -728,7 +741,7 @@ __device__ __forceinline__ void read_rows(const Block& k, const stream_t* stage,
 // Step 3 of a folding step for one row (this lane's 16 columns): row `srow` of `stage`; (hl, p)
 // is its head within the block and its row within the head. The row is folded here, unless
 // `folded` says fold_tile_mma already did, stored to every copy, and its dot products taken.
-template <typename input_t, CheckpointPrecision P, typename stream_t>
+template <typename input_t, CheckpointPrecision P, typename stream_t, bool kWindow>
 __device__ __forceinline__ void fold_row(const Block& k, const CheckpointHead<P>& ckpt,
                                          const stream_t* stage, int srow, int hl, int p,
                                          bool active, bool folded, const float (&c0)[kPerLane]) {
@@ -751,16 +764,24 @@ __device__ __forceinline__ void fold_row(const Block& k, const CheckpointHead<P>
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) v[e] *= tau;
   const float* weight = k.ptr(k.at.fold_w()) + hl * k.R;
-  const float* Bf = k.ptr(k.at.Bf());
   for (int j = 0; j < (folded ? 0 : k.w); ++j) {
-    float key[kPerLane];
-    lane_columns<order_t>(Bf + j * kDstate, key);
+    float key[kPerLane];  // this lane's columns of B_j, in order_t's layout, as fp32
+    if constexpr (kWindow) {  // widened from the staged B (replay_smem_for)
+      typename Split::template Fragment<input_t, order_t> staged;
+      staged.load(k.ptr<input_t>(k.at.B()) + j * kDstate, lane);
+      staged.unpack(key);
+    } else {
+      lane_columns<order_t>(k.ptr(k.at.Bf()) + j * kDstate, key);
+    }
     const float xw = active ? weight[j] * to_float(xs[j * xrec + r]) : 0.0f;
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) v[e] += xw * key[e];
   }
   checkpoint_store<P, Split, order_t>(ckpt, r, lane, active, v);
-  row_dots<order_t, false>(k, v, r, active, 1.0f, c0);
+  // A window's T sums scattered (row_dots) only where the registers allow it: with an fp32
+  // master and a bf16 read copy (ptxas: no spills; an fp32 or fp8 read copy's window spilled).
+  constexpr bool kScatter = kWindow && P == CheckpointPrecision::kFp32Bf16;
+  row_dots<order_t, kScatter>(k, v, r, active, 1.0f, c0);
 }
 
 // Step 4 of a verify window for one state row e = hl·P + r of the block: the kN outputs
@@ -894,13 +915,13 @@ __device__ void run(const Params& p, const Block& k, const CheckpointHead<P>& ck
     }
     if constexpr (kFold) {
       if (mma) {
-        fold_tile_mma<input_t>(k, stage, tile);
+        fold_tile_mma<input_t, kWindow>(k, stage, tile);
         __syncthreads();  // a row's columns were folded by several warps
       }
 #pragma unroll
       for (int m = 0; m < kRowsPerGroup<stream_t>; ++m) {
-        fold_row<input_t, P, stream_t>(k, ckpt, stage, m * kRowGroups + group, hl, pr,
-                                       hl < k.hpc, mma, c0);
+        fold_row<input_t, P, stream_t, kWindow>(k, ckpt, stage, m * kRowGroups + group, hl,
+                                                pr, hl < k.hpc, mma, c0);
         for (pr += kRowGroups; pr >= k.P; pr -= k.P) ++hl;
       }
     } else {
@@ -942,7 +963,8 @@ __global__ void __launch_bounds__(kReplayThreads, kReplayResidentBlocks)
     k.h0 = int(blockIdx.x) * hpc;
     k.g = k.h0 / (l.dims.heads / l.dims.key_heads);
     k.rows = hpc * k.P;
-    k.at = ReplaySmem{k.R, k.Tm, k.P, hpc, int(sizeof(input_t))};
+    k.at = replay_smem_for(k.R, k.Tm, k.P, hpc, int(sizeof(input_t)), checkpoint_traits(P),
+                           kWindow);
   };
   // Blocks past the reading rows' runs serve folding rows only (Params::read_heads_per_cta).
   const bool reads = int(blockIdx.x) * params.read_heads_per_cta < l.dims.heads;
@@ -1029,15 +1051,20 @@ Status launch(Params params, cudaStream_t stream) {
     } while ((l.dims.heads / l.dims.key_heads) % hpc != 0);
     return hpc;
   };
+  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged; so
+  // do verify windows of plain caches (T >= 2: their output pass and sums, tuned for windows).
+  const bool window = params.conv.in == nullptr && params.num_tokens >= 2;
+  auto* kernel = params.conv.in != nullptr ? replay_kernel<input_t, P, true, false>
+                 : window                  ? replay_kernel<input_t, P, false, true>
+                                           : replay_kernel<input_t, P, false, false>;
+  const auto smem_of = [&](int hpc) { return replay_smem(l.config, hpc, window).bytes(); };
   // One head per block always fits: can_implement checked it when the cache was created.
   // Then, where `resident` > 0, fewer heads until that many blocks fit an SM's shared memory,
   // if half the heads or more remain (mamba2_params.cuh, kReplayResidentBlocks).
   const auto fitting = [&](int hpc) {
-    while (hpc > 1 && replay_smem(l.config, hpc).bytes() > replay_smem_budget(limits)) {
-      hpc = fewer(hpc);
-    }
+    while (hpc > 1 && smem_of(hpc) > replay_smem_budget(limits)) hpc = fewer(hpc);
     int cut = hpc;
-    while (cut > 1 && resident * (replay_smem(l.config, cut).bytes() + kFoldFirstSmemBytes +
+    while (cut > 1 && resident * (smem_of(cut) + kFoldFirstSmemBytes +
                                   limits.smem_reserved) >
                           limits.smem_per_sm) {
       cut = fewer(cut);
@@ -1054,7 +1081,7 @@ Status launch(Params params, cudaStream_t stream) {
   const int hpc = hpc_read < kMinReadToFoldHeads * hpc_fold ? hpc_read : hpc_fold;
   params.heads_per_cta = hpc;
   params.read_heads_per_cta = hpc_read;
-  const int smem = replay_smem(l.config, params.read_heads_per_cta).bytes();
+  const int smem = smem_of(params.read_heads_per_cta);
   params.early_tiles = params.batch <= early_tiles_batch;
   params.fold_first = use_fold_first(params.batch, params.num_tokens, fold_first_min_batch);
   static const bool tc_read = tuning_value("REPLAYSSM_TUNE_MAMBA2_TC_READ", 1) != 0;
@@ -1063,11 +1090,6 @@ Status launch(Params params, cudaStream_t stream) {
     return unsupported("mamba2 CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
                        " blocks per batch row, got " + std::to_string(l.dims.heads / hpc));
   }
-  // Conv caches' decodes take their own instantiation, so that the plain one is unchanged; so
-  // do verify windows of plain caches (T >= 2: their output pass and sums, tuned for windows).
-  auto* kernel = params.conv.in != nullptr ? replay_kernel<input_t, P, true, false>
-                 : params.num_tokens >= 2  ? replay_kernel<input_t, P, false, true>
-                                           : replay_kernel<input_t, P, false, false>;
   REPLAYSSM_RETURN_IF_ERROR(allow_dynamic_smem(kernel, smem, "mamba2 replay kernel"));
   // Shared memory over L1: three ~70 KB blocks per SM need the largest carveout.
   REPLAYSSM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
