@@ -167,7 +167,7 @@ struct ReplaySmem {
 /// not: the one rule for the host (replay_smem) and the kernel. Only a scaled read copy (fp8)
 /// stages its rows' scales. Single-token launches keep an fp32 copy of B (their tuned code
 /// reads it); verify windows widen the staged B as they load it, and the R·512 bytes saved
-/// let super120b's 4-token windows at L = 8 keep 3 blocks per SM instead of 2.
+/// let 3 of super120b's 4-token window blocks at L = 8 fit an SM instead of 2.
 __host__ __device__ inline ReplaySmem replay_smem_for(int R, int Tm, int P, int hpc, int in_bytes,
                                                      CheckpointTraits t, bool window) {
   return ReplaySmem{R, Tm, P, hpc, in_bytes, t.lo_row_scale ? hpc * P : 0, window ? 0 : R};
