@@ -18,6 +18,12 @@ namespace replayssm {
 /// that asks for random acceptance instead of a fixed k (--spec-accepted random).
 inline constexpr int kRandomAcceptance = -1;
 
+/// What "random" commits, in the words of both CLIs' --spec-accepted help (the distribution of
+/// random_acceptance_probabilities).
+inline constexpr const char* kRandomAcceptanceHelp =
+    "per row and step, k drawn from P(k = 1..4) = 0.1, 0.2, 0.3, 0.4 at T = 4 (uniform over 1..T "
+    "otherwise), each row folding on its own cadence";
+
 /// P(k) for k = 1..T: [0.1, 0.2, 0.3, 0.4] for T = 4 (the public kernels' benchmark), uniform
 /// over 1..T for any other T. window >= 1.
 std::vector<double> random_acceptance_probabilities(int window);

@@ -333,10 +333,9 @@ void add_bench(CLI::App& app, BenchArgs& a) {
                &a.spec_tokens, 1, kMaxSpecTokens);
   bench
       ->add_option("--spec-accepted", a.spec_accepted,
-                   "With T > 1: tokens committed per verify step, an integer in [0, T] (0 = all "
-                   "T), or random: per row and step, k drawn from P(k = 1..4) = 0.1, 0.2, 0.3, "
-                   "0.4 at T = 4 (uniform over 1..T otherwise), each row folding on its own "
-                   "cadence, as the public kernels are timed")
+                   std::string("With T > 1: tokens committed per verify step, an integer in "
+                               "[0, T] (0 = all T), or random: ") +
+                       kRandomAcceptanceHelp + ", as the public kernels are timed")
       ->type_name("INT|random")
       ->capture_default_str();
   bench->add_option("--json", a.json_path,

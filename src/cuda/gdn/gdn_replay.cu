@@ -559,11 +559,7 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   }
 
   // Phase 3': fold, then (decode) the outputs from the refreshed read copy.
-  const auto* s_key = reinterpret_cast<const input_t*>(smem + p.smem.key_bytes);
-  const auto* s_vec = reinterpret_cast<const input_t*>(smem + p.smem.vec_bytes);
-  const float* s_alpha = s_f + p.smem.alpha;
-  const float* s_beta = s_f + p.smem.beta;
-  const float* s_kscale = s_f + p.smem.kscale;
+  const auto [s_alpha, s_beta, s_kscale, s_key, s_vec] = staged_records<input_t>(p, smem);
   using MasterFrag = typename Split::template Fragment<master_t, read_t>;
   for (int base = row_begin; base < row_end; base += kRowGroups * kFoldRows) {
     const int r0 = base + rg;
