@@ -388,7 +388,9 @@ def test_forked_sequences_decode_as_their_own_prefills(family, mode, share, devi
     """ServingCache.fork: a prompt prefilled into slot a, forked onto b, and b onto c (a fork of
     a fork); the three then take different tokens, side by side over three folds of L = 4.
     Each branch's logits equal those of a slot that prefilled the same prompt itself and
-    decoded the same tokens in the same batch (the same arithmetic: 0 difference on the CPU).
+    decoded the same tokens in the same batch, to fp32 rounding: the arithmetic is the same,
+    but a GEMM may round rows at different positions of a batch differently (on some CPUs the
+    library's kernels block the rows: Qwen3.5's rows 0-2 and 3-5 differed by up to 5e-7).
     With shared checkpoints nothing is shared any more once every branch has folded."""
     model = tiny_model(family, device)
     cache = ServingCache(model, 6, 64, mode, share_forked_checkpoints=share)
@@ -405,7 +407,7 @@ def test_forked_sequences_decode_as_their_own_prefills(family, mode, share, devi
     for step in range(12):
         branch = torch.randint(0, VOCAB[family], (3,), generator=g)
         logits = model.step(cache, slots, torch.cat([branch, branch]).to(device))
-        assert mu.rel_err(logits[:3], logits[3:]) <= (0.0 if device == "cpu" else 1e-6), step
+        assert mu.rel_err(logits[:3], logits[3:]) <= 1e-6, step
     assert len({int(cache.lengths[s]) for s in (a, b, c, *refs)}) == 1
     if share:
         assert not cache.ssm.buffers["ckpt_source"].any()
