@@ -137,9 +137,10 @@ def check_activations(device, dtype, s):
     return worst
 
 
-def check_conv(device, dtype, s, T, bias):
-    """The conv decode, fused against torch, on a ring with live and pad rows (one scratch row),
-    x a strided slice: (output error, ring error, splits' shapes and contiguity)."""
+def check_conv(device, dtype, s, T, bias, ring_dtype=None):
+    """The conv decode, fused against torch, on a ring (of ``ring_dtype``, default x's) with
+    live and pad rows (one scratch row), x a strided slice: (output error, ring error, splits'
+    shapes and contiguity)."""
     g = torch.Generator().manual_seed(2)
     B, C, K = s["B"], s["conv"], 4
     ring_len = K - 1 + T
@@ -150,7 +151,7 @@ def check_conv(device, dtype, s, T, bias):
     ring_base = rows[:, None] * ring_len
     write = (ring_base + (lengths[:, None] + torch.arange(T)) % ring_len).reshape(-1)
     read = (ring_base + (lengths[:, None] + torch.arange(-(K - 1), T)) % ring_len).reshape(-1)
-    ring = torch.randn((B + 1) * ring_len, C, generator=g).to(device, dtype)
+    ring = torch.randn((B + 1) * ring_len, C, generator=g).to(device, ring_dtype or dtype)
     wide = torch.randn(B, T, C + 40, generator=g).to(device, dtype)
     x = wide[..., 20:20 + C]
     weight = (0.5 * torch.randn(C, 1, K, generator=g)).to(device, dtype)[:, 0]
@@ -295,7 +296,7 @@ def test_fused_activations_on_gpu(dtype):
     assert all(e <= TOL[dtype] for e in worst.values()), worst
 
 
-@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("T", [1, 3, 4, 8])
 @pytest.mark.parametrize("shapes", [TINY, REAL], ids=["tiny", "real"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -303,6 +304,10 @@ def test_fused_conv_on_gpu(shapes, T):
     for bias in (False, True):
         out, ring, shapes_ok = check_conv("cuda", torch.bfloat16, shapes, T, bias)
         assert out <= TOL[torch.bfloat16] and ring == 0 and shapes_ok, (out, ring, bias)
+    # fp32 inputs over a bf16 ring: the window's own taps are rounded as the ring holds them.
+    # (GPU only: Triton's interpreter truncates fp32 to bf16 where the GPU rounds to nearest.)
+    out, ring, shapes_ok = check_conv("cuda", torch.float32, shapes, T, True, torch.bfloat16)
+    assert out <= TOL[torch.float32] and ring == 0 and shapes_ok, (out, ring)
 
 
 @pytest.mark.parametrize("where", mu.DEVICES_FP32[1:] + mu.DEVICES[1:])

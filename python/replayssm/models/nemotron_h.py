@@ -15,8 +15,9 @@ A stack of pre-norm residual blocks, one mixer each, in the order of the layer p
 
 Prefill runs the SSM by a chunked scan in fp32 (below), from the slot's state when it continues
 one, and loads each layer's final state into the state cache; decode runs
-``replayssm.mamba2_decode``, which applies the gate: its ``(y + D x) * silu(z)`` is the gated
-norm's input, so only the group RMSNorm stays in torch.
+``replayssm.mamba2_decode`` without its gate: the gated norm applies silu(z) in fp32, as
+transformers' does, reading z where ``in_proj`` wrote it (handing z to the op would need a dense
+copy of it per layer and step).
 
 One difference transformers has between its own two paths is kept: its prefill clamps the
 softplus'd dt at ``time_step_min`` (the mixer's ``time_step_limit``), its decode does not
@@ -342,16 +343,14 @@ class _Mamba2Mixer(nn.Module):
         # Split by the conv itself: x, B and C come out contiguous (no copies for the op).
         x, B, C = self._xbc(cache.conv_decode(layer, ctx, xbc, *self._conv_args(),
                                               splits=self._xbc_splits()))
-        Bsz, T = h.shape[:2]
         A, D, dt_bias = weight_constant(
             self, "decode", lambda A_log, D, dt_bias: (-torch.exp(A_log.float()),
                                                        D.float().contiguous(),
                                                        dt_bias.float().contiguous()),
             self.A_log, self.D, self.dt_bias)
         y = replayssm.mamba2_decode(
-            cache.ssm, layer, ctx.slot_ids, x, dt.float().contiguous(), B, C, A, D, dt_bias,
-            z=z.reshape(Bsz, T, c.mamba_num_heads, c.mamba_head_dim).contiguous())
-        return self.out_proj(self.norm(y.flatten(-2)))
+            cache.ssm, layer, ctx.slot_ids, x, dt.float().contiguous(), B, C, A, D, dt_bias)
+        return self.out_proj(self.norm(y.flatten(-2), z))
 
 
 class _Attention(nn.Module):
