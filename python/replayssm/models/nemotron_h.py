@@ -338,7 +338,6 @@ class _Mamba2Mixer(nn.Module):
 
     def decode(self, cache: ServingCache, layer: int, ctx: DecodeContext,
                h: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
         z, xbc, dt = self._split(h)
         # Split by the conv itself: x, B and C come out contiguous (no copies for the op).
         x, B, C = self._xbc(cache.conv_decode(layer, ctx, xbc, *self._conv_args(),
