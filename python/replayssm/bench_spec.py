@@ -9,8 +9,10 @@ Methods (each a :class:`~replayssm.models.speculative.SpeculativeDecoder` step c
 CUDA graph: the n-gram drafter on the device, the window's decode through the whole model,
 argmax, acceptance, commit):
 
-- ``replay-verify``: a replay cache (``--replay-mode``, default replay-fp32) verifies windows of
-  T tokens from its checkpoint and ring, writing no state; rollback is the commit's cursor.
+- ``replay-verify``: a replay cache verifies windows of T tokens from its checkpoint and ring,
+  writing no state; rollback is the commit's cursor. Its state mode (``--replay-mode MODE`` for
+  every layout, ``LAYOUT=MODE`` for one) defaults to the faster one per family,
+  ``REPLAY_MODE``: replay-fp32+bf16:8 for Nemotron-H, replay-fp32:8 for Qwen3.5.
 - ``per-draft-state``: an eager cache (``--eager-mode``, default eager-fp32: fp32 state, as
   Nemotron-H's configuration asks, ``mamba_ssm_cache_dtype``) with ``max_spec_tokens = T``: the window writes a
   state copy per token and commit selects one, as engines verify drafts today.
@@ -100,6 +102,12 @@ FAMILY = {"nemotron-nano-4b": "nemotron_h", "nemotron-tiny": "nemotron_h",
 #: Accepted tokens/s of replay verify over per-draft state aimed at (batch 256, T = 4, H200).
 TARGETS = {"nemotron-nano-4b": 1.8, "qwen3.5-4b": 1.5}
 
+#: The replay mode each family verifies windows with by default: the faster one at batch 256,
+#: T = 4 on an H200 (docs/BENCHMARKS.md). L = 8 for both (a window's outputs combine up to
+#: L - 1 + T records); Nemotron-H's Mamba-2 verify kernel gains from a bf16 read copy, Qwen3.5's
+#: GDN one does not (1.48-1.50x with it against 1.51-1.52x without).
+REPLAY_MODE = {"nemotron_h": "replay-fp32+bf16:8", "qwen3_5": "replay-fp32:8"}
+
 
 def acceptance_for(layout: str, window: int, given: list[float] | None) -> list[float]:
     """The accepted-count distribution (fractions of 1..T tokens) a run forces."""
@@ -153,17 +161,36 @@ class ForcedAcceptance:
         return row
 
 
-def method_mode(method: str, args: argparse.Namespace) -> tuple[str, int]:
-    """The state mode and window of ``method``."""
+def method_mode(method: str, layout: str, args: argparse.Namespace) -> tuple[str, int]:
+    """The state mode and window of ``method`` on ``layout``."""
     if method == "plain":
         return args.eager_mode, 1
-    return (args.replay_mode if method == "replay-verify" else args.eager_mode), args.window
+    if method == "replay-verify":
+        return args.replay_modes[layout], args.window
+    return args.eager_mode, args.window
+
+
+def replay_modes(given: list[str] | None, layouts: list[str]) -> dict[str, str]:
+    """Each layout's replay mode: ``REPLAY_MODE`` for its family, then ``given`` (entries MODE,
+    for every layout, or LAYOUT=MODE), the later entries winning. Raises ValueError on a mode
+    that is not a replay one or a layout that is not run."""
+    modes = {layout: REPLAY_MODE[FAMILY[layout]] for layout in layouts}
+    for entry in given or []:
+        layout, _, mode = entry.rpartition("=")
+        if layout and layout not in modes:
+            raise ValueError(f"--replay-mode {entry}: {layout!r} is not among the layouts run "
+                             f"({', '.join(layouts)})")
+        if StateMode.parse(mode).eager:
+            raise ValueError(f"--replay-mode takes replay modes, got {mode!r}")
+        for key in ([layout] if layout else layouts):
+            modes[key] = mode
+    return modes
 
 
 def bench_one(model, layout: str, method: str, batch: int, probs: list[float],
               args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
-    mode, T = method_mode(method, args)
+    mode, T = method_mode(method, layout, args)
     parsed = StateMode.parse(mode)
     warm_up = max(2, -(-(1 if parsed.eager else parsed.buffer_len) // T))  # a fold period
     profiled = batch in args.profile_batches
@@ -300,7 +327,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", "-T", type=int, default=4, help="T: tokens per window, 2..8")
     p.add_argument("--acceptance", nargs="+", type=float,
                    help="weights of accepting 1..T tokens per step (default: ACCEPTANCE)")
-    p.add_argument("--replay-mode", default="replay-fp32")
+    p.add_argument("--replay-mode", nargs="+", metavar="[LAYOUT=]MODE",
+                   help="replay verify's state mode, for every layout or one "
+                        "(default: " + ", ".join(f"{f} {m}" for f, m in REPLAY_MODE.items())
+                        + ")")
     p.add_argument("--eager-mode", default="eager-fp32")
     p.add_argument("--lookback", type=int, default=1024, help="the n-gram drafter's lookback")
     p.add_argument("--steps", type=int, default=16, help="steps per timed window")
@@ -320,12 +350,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "attention, GEMM, other, and the top kernels)")
     args = p.parse_args(argv)
     try:
-        for m in (args.replay_mode, args.eager_mode):
-            StateMode.parse(m)
+        args.replay_modes = replay_modes(args.replay_mode, args.layouts)
+        if not StateMode.parse(args.eager_mode).eager:
+            raise ValueError(f"--eager-mode takes an eager mode, got {args.eager_mode!r}")
     except ValueError as e:
         p.error(str(e))
-    if StateMode.parse(args.replay_mode).eager or not StateMode.parse(args.eager_mode).eager:
-        p.error("--replay-mode takes a replay mode, --eager-mode an eager one")
     if not 2 <= args.window <= 8 or any(not 2 <= w <= 8 for w in args.measure_windows):
         p.error("windows are 2..8 tokens")
     if any(b < 1 for b in args.batches) or min(args.context, args.steps, args.repeats,
@@ -373,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             # A cache that does not fit is a result (per-draft state at large T and batch).
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-            mode, T = method_mode(method, args)
+            mode, T = method_mode(method, layout, args)
             return [dict(layout=layout, method=method, mode=mode, window=T, batch=batch,
                          error="out of memory: " + str(e).splitlines()[0][:120])]
 

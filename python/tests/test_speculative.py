@@ -271,6 +271,24 @@ def test_bench_spec_smoke(tmp_path):
         assert r["profiled_ms_per_step"] > 0 and r["top_kernels"]
     assert "vs draft-state" in proc.stdout
     assert "top kernels: qwen3.5-tiny batch 2 replay-verify" in proc.stdout
+    # Each family verifies with its own default replay mode.
+    assert {r["layout"]: r["mode"] for r in runs if r["method"] == "replay-verify"} == {
+        "nemotron-tiny": "replay-fp32+bf16:8", "qwen3.5-tiny": "replay-fp32:8"}
+
+
+def test_bench_spec_replay_modes_per_layout():
+    from replayssm import bench_spec
+
+    layouts = ["nemotron-nano-4b", "qwen3.5-4b"]
+    assert bench_spec.replay_modes(None, layouts) == {
+        "nemotron-nano-4b": "replay-fp32+bf16:8", "qwen3.5-4b": "replay-fp32:8"}
+    assert bench_spec.replay_modes(["replay-bf16", "qwen3.5-4b=replay-fp32+fp8:16"], layouts) == {
+        "nemotron-nano-4b": "replay-bf16", "qwen3.5-4b": "replay-fp32+fp8:16"}
+    for bad in (["eager-fp32"], ["qwen3.5-tiny=replay-fp32"], ["replay-fp64"]):
+        with pytest.raises(ValueError):
+            bench_spec.replay_modes(bad, layouts)
+    with pytest.raises(SystemExit):  # the command line refuses them with its usage
+        bench_spec.parse_args(["--replay-mode", "nemotron-nano-4b=eager-fp32"])
 
 
 def test_bench_spec_measures_the_acceptance_of_a_trained_model(tmp_path):
