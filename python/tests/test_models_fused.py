@@ -137,10 +137,11 @@ def check_activations(device, dtype, s):
     return worst
 
 
-def check_conv(device, dtype, s, T, bias, ring_dtype=None):
+def check_conv(device, dtype, s, T, bias, ring_dtype=None, oracle=False):
     """The conv decode, fused against torch, on a ring (of ``ring_dtype``, default x's) with
     live and pad rows (one scratch row), x a strided slice: (output error, ring error, splits'
-    shapes and contiguity)."""
+    shapes and contiguity). ``oracle``: the torch path runs in float64 (for fp32 inputs: the
+    kernel against exact arithmetic on the same values)."""
     g = torch.Generator().manual_seed(2)
     B, C, K = s["B"], s["conv"], 4
     ring_len = K - 1 + T
@@ -158,8 +159,10 @@ def check_conv(device, dtype, s, T, bias, ring_dtype=None):
     b = (0.1 * torch.randn(C, generator=g)).to(device, dtype) if bias else None
     write, read = write.to(device), read.to(device)
     splits = [C // 2, C // 4, C - C // 2 - C // 4]
-    rings = [ring.clone(), ring.clone()]
-    ref = conv_decode_reference(x, rings[0], write, read, weight, b, "silu")
+    exact = (lambda t: t.double()) if oracle else (lambda t: t)
+    rings = [exact(ring.clone()), ring.clone()]
+    ref = conv_decode_reference(exact(x), rings[0], write, read, exact(weight),
+                                None if b is None else exact(b), "silu")
     outs = fused.conv_decode(x, rings[1], write, read, weight, b, "silu", splits)
     got = torch.cat(outs, -1)
     shapes_ok = all(o.is_contiguous() and o.shape == (B, T, n) for o, n in zip(outs, splits))
@@ -220,6 +223,10 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
                 if not (out <= tol and ring == 0 and shapes):
                     fails.append(f"conv T={{T}} bias={{bias}} {{dtype}}: output {{out}}, "
                                  f"ring {{ring}}, split shapes {{shapes}}")
+    for T in (1, 3):  # fp32 against the float64 oracle
+        out, ring, shapes = t.check_conv("cpu", torch.float32, t.TINY, T, True, oracle=True)
+        if not (out <= t.TOL[torch.float32] and ring == 0 and shapes):
+            fails.append(f"conv T={{T}} fp32 against float64: output {{out}}, ring {{ring}}")
     for name, e in t.check_models("cpu", torch.float32).items():
         if not e <= {model_tol}:
             fails.append(f"model {{name}} fp32: logits {{e}} > {model_tol}")
@@ -307,6 +314,9 @@ def test_fused_conv_on_gpu(shapes, T):
     # fp32 inputs over a bf16 ring: the window's own taps are rounded as the ring holds them.
     # (GPU only: Triton's interpreter truncates fp32 to bf16 where the GPU rounds to nearest.)
     out, ring, shapes_ok = check_conv("cuda", torch.float32, shapes, T, True, torch.bfloat16)
+    assert out <= TOL[torch.float32] and ring == 0 and shapes_ok, (out, ring)
+    # fp32 against the float64 oracle.
+    out, ring, shapes_ok = check_conv("cuda", torch.float32, shapes, T, True, oracle=True)
     assert out <= TOL[torch.float32] and ring == 0 and shapes_ok, (out, ring)
 
 
