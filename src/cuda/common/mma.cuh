@@ -17,11 +17,24 @@
 //   B [8 k × 8 cols]:   b0 (t, g)  b1 (t + 4, g)
 //   C [16 rows × 8 cols]: c0 (g, 2t)  c1 (g, 2t + 1)  c2 (g + 8, 2t)  c3 (g + 8, 2t + 1)
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 namespace replayssm::cuda {
+
+/// Two e4m3 values (the low byte first) as a bf16 pair for mma_bf16, exactly: every e4m3 value
+/// is a bf16 value (through f16, also exact, in hardware).
+__device__ __forceinline__ std::uint32_t fp8x2_to_bf16x2(std::uint32_t pair) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const std::uint32_t*>(&b);
+}
 
 /// x rounded to TF32 (nearest, ties away), as the bits of an fp32 whose low 13 bits are zero.
 __device__ __forceinline__ std::uint32_t to_tf32(float x) {

@@ -36,8 +36,9 @@ Status uses_generic_kernels(const StateCacheConfig& c, bool* generic) {
   if (*generic) return Status::ok();
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
-  // The widest window needs the most staging.
-  *generic = replay_smem(c, c.max_spec_tokens).bytes > replay_smem_budget(limits);
+  // The widest window needs the most staging, or a single token its staged passes.
+  const int bytes = std::max(replay_smem(c, 1).bytes, replay_smem(c, c.max_spec_tokens).bytes);
+  *generic = bytes > replay_smem_budget(limits);
   return Status::ok();
 }
 

@@ -15,6 +15,7 @@
 // columns lie past K are masked as a whole (a vector never straddles K since K % 16 == 0),
 // so one instantiation serves the real shapes (K = 128) and the small ones tests use.
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/common/dispatch.cuh"
@@ -63,11 +64,56 @@ constexpr int kFoldFirstMinBatch = 32;
 /// 341.1 → 329.8, batch 1024 fp32 692 → 692; bf16 read copies gained nothing clear (256:
 /// 139.9 → 139.5, spec 366.8 → 370.2, 1024: 554 → 543) and batch 64 lost (fp32 55.7 → 57.7,
 /// bf16 48.5 → 51.1). Mamba-2's tiles, prefetched the same way, measured slower (up to +4%).
-/// docs/BENCHMARKS_CUDA_GDN.md, "L2 prefetch".
+/// docs/BENCHMARKS_CUDA_GDN.md, "L2 prefetch". Single-token steps now stage their passes
+/// (stages_passes) and prefetch nothing: beside staging it cost 3-5% (staggered, batch 1024
+/// and 256), and without it the register kernel's aligned steps at 1024 ran 10% faster too
+/// (830 → 750 µs; "Staged passes"). So it serves fp32 verify windows.
 constexpr int kL2PrefetchPasses = 2;
 constexpr int kL2PrefetchMinBatch = 256;
 /// Bytes of the read copy each thread has in flight per pass (fp32: 1 row, bf16 2, fp8 4).
 constexpr int kReplayRowBytes = 64;
+/// The 16-byte pieces of one thread's pass.
+constexpr int kPassPieces = kReplayRowBytes / 16;
+/// Whether a verify window's outputs read a low-precision copy on the tensor cores
+/// (gdn_replay.cu, read_window_mma): S·t for every row and token as m16n8k16 bf16 products
+/// (fp8 widened exactly), the walked queries t carried as two bf16 parts (hi + lo, within
+/// 2^-16 of t: far below the read copy's own rounding), where the CUDA cores need per row and
+/// token 16 products, the queries' loads from shared memory and a reduction across the row's
+/// lanes. Value heads of a multiple of 16 rows (a product's 16 rows share one head's queries);
+/// REPLAYSSM_TUNE_GDN_TC_READ=0 turns it off. An fp32 copy would need three TF32 products
+/// per pair of parts for its accuracy and stays on the CUDA cores.
+constexpr bool reads_on_tensor_cores(CheckpointPrecision p, bool window) {
+  return window && p != CheckpointPrecision::kFp32;
+}
+/// Columns of a 16-byte vector of a read copy of `read_bytes`-byte values, and the k-steps of
+/// 16 columns of a tensor-core read of K columns: each lane's vector feeds vector_cols / 4 of
+/// them, a row's four lanes 4·vector_cols columns.
+constexpr int mma_vector_cols(int read_bytes) { return 16 / read_bytes; }
+constexpr int mma_read_steps(int K, int read_bytes) {
+  const int vc = mma_vector_cols(read_bytes);
+  return vc / 4 * ((K + 4 * vc - 1) / (4 * vc));
+}
+/// Shared memory of the tensor-core read's query fragments: per local value head and k-step,
+/// each lane's four registers (hi and lo parts of b0 and b1).
+constexpr int mma_query_bytes(int G, int K, int read_bytes) {
+  return G * mma_read_steps(K, read_bytes) * 32 * 16;
+}
+/// Shared memory of one staged pass of a replay CTA (stages_passes): every thread's pieces.
+constexpr int kReplayPassBytes = kThreads * kReplayRowBytes;
+/// Whether a replay kernel streams its read copy's passes through shared memory (cp.async,
+/// gdn_replay.cu) rather than registers: two passes in flight while one is summed, none of
+/// them in registers. qwen35-4b, L = 16, µs per step, registers → staged (the L2 prefetch off
+/// where staged), staggered / aligned: batch 256 fp32 171.6 / 193.7 → 170.3 / 186.1, bf16
+/// 139.6 / 139.6 → 132.6 / 133.2; batch 1024 fp32 691 / 830 → 683 / 729, bf16 553 / 558 →
+/// 525 / 530; batch 64 within ±1.5%; batch 1 fp32 10.1 → 8.9, bf16 10.0 → 9.3. The dual
+/// copies lost (fp32+bf16 gained 1% at batch 256 and lost 5.6% at 64, fp32+fp8 lost 6-11%:
+/// their folds spill more beside the staging, and an fp8 row's scale is one more copy per
+/// lane), so they keep register passes. Verify-window kernels (`window`) never stage: their staging already
+/// takes the shared memory an 8 KB pass buffer would take from the blocks an SM holds.
+/// docs/BENCHMARKS_CUDA_GDN.md, "Staged passes".
+constexpr bool stages_passes(CheckpointPrecision p, bool window) {
+  return !window && (p == CheckpointPrecision::kBf16 || p == CheckpointPrecision::kFp32);
+}
 constexpr int kWarps = kThreads / 32;
 /// Eager tile (gdn_eager.cu has the measurements): 64 threads, 2 rows in flight per thread,
 /// 12 CTAs per SM (80 registers), one pass of 16 rows per CTA.
@@ -142,9 +188,20 @@ struct ReplaySmem {
   int vec_bytes = 0;  ///< input_t [records][vec_stride]  v of the G heads
   int vec_stride = 0;
   int conv_q_bytes = 0;  ///< conv caches: input_t [T][K]  the window's q after the conv
+  /// Single-token steps: two buffers of pass_bytes, through which the read copy's passes
+  /// stream (stages_passes). The first is the CTA's own, as its pass is requested before the
+  /// ring is staged; the second lies over the staged records (key_bytes on), which are dead
+  /// once the walks are done, where they are large enough.
+  int pass[2] = {0, 0};
+  int pass_bytes = 0;
   int bytes = 0;
 
-  static ReplaySmem make(int T, int G, int K, int V, int records, int in_size, bool conv) {
+  /// Verify windows read on the tensor cores (reads_on_tensor_cores): the queries' fragments
+  /// (mma_query_bytes) over the staged records from key_bytes on, dead once the walks are done.
+  int mma_query = 0;
+
+  static ReplaySmem make(int T, int G, int K, int V, int records, int in_size, bool conv,
+                         int pass_bytes, int mma_query_bytes) {
     ReplaySmem s;
     int f = 0;
     s.qhat = f;
@@ -169,6 +226,14 @@ struct ReplaySmem {
       s.conv_q_bytes = (s.bytes + 15) / 16 * 16;
       s.bytes = s.conv_q_bytes + T * K * in_size;
     }
+    s.mma_query = s.key_bytes;
+    s.bytes = std::max(s.bytes, s.key_bytes + mma_query_bytes);
+    if (pass_bytes > 0) {
+      s.pass_bytes = pass_bytes;
+      s.pass[0] = (s.bytes + 15) / 16 * 16;
+      s.pass[1] = s.pass[0] - s.key_bytes >= pass_bytes ? s.key_bytes : s.pass[0] + pass_bytes;
+      s.bytes = std::max(s.pass[0], s.pass[1]) + pass_bytes;
+    }
     return s;
   }
 };
@@ -186,6 +251,7 @@ struct ReplayParams {
   bool vec_async = false;  ///< ring v records of G heads are 16-byte aligned runs (cp.async)
   bool fold_first = false;  ///< serve the rows whose fold is due first (fold_order.cuh)
   int l2_passes = 0;  ///< passes of the read copy requested into L2 ahead (kL2PrefetchPasses)
+  bool tc_read = false;  ///< a window's outputs read on the tensor cores (reads_on_tensor_cores)
   RowTiling tiling;
   ReplaySmem smem;
 };

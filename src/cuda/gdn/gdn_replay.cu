@@ -8,7 +8,10 @@
 //      first: c = β_j·(k̂_j·t); o += c·v_j; t ← α_j·(t − c·k̂_j). Each walk is O(w·(K+V)) and
 //      leaves the query t that meets the checkpoint and the ring's part of the output;
 //   3. rows: each state row is read once from the read copy and multiplied by the T walked
-//      queries (T dot products per row: a verify of T tokens costs one read of the state);
+//      queries (T dot products per row: a verify of T tokens costs one read of the state).
+//      Single tokens stream fp32 and bf16 copies through shared memory (stages_passes);
+//      verify windows over bf16 and fp8 copies take the products on the tensor cores
+//      (read_window_mma); the rest hold their passes in registers;
 //   3'. or, when a fold is due (committed − folded >= L; any history for an explicit fold), the
 //      rows are read from the fp32 master, the history is replayed forward in fp32 registers
 //      (§5: s ← α s; d = β(v − s·k̂); s ← s + d k̂), written back to every copy (§6), and the
@@ -38,6 +41,7 @@
 #include "cuda/common/device_limits.cuh"
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/common/mma.cuh"
 #include "cuda/gdn/gdn_device.cuh"
 #include "cuda/gdn/gdn_launch.h"
 #include "cuda/gdn/gdn_params.cuh"
@@ -421,6 +425,140 @@ __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int h, int v
   }
 }
 
+/// The tensor-core read of a verify window (reads_on_tensor_cores). A lane (g, t) of a warp
+/// (lane = 4g + t, mma.cuh) loads, of state rows g and g + 8 of a 16-row tile, the 16-byte
+/// vectors j at columns vc·(4j + t) (vc = 8 bf16 or 16 fp8 values a vector): a row's four lanes
+/// read 64 contiguous bytes per j. Vector j feeds k-steps j·vc/4 on, 4 columns each: bf16 words
+/// 2w and 2w + 1 (fp8: word w, widened to two bf16 pairs) of step j·vc/4 + w hold the pairs at
+/// columns vc·(4j + t) + 4w + 2e (e = 0, 1): A's k slots 2t and 2t + 8. A dot product does not
+/// care how its columns are ordered, so the queries' fragments (B) only have to hold the same
+/// columns in the same slots, which stage_query_fragments arranges.
+template <typename read_t>
+__device__ __forceinline__ int mma_read_col(int step, int e, int t) {
+  constexpr int vc = mma_vector_cols(int(sizeof(read_t))), spv = vc / 4;
+  return vc * (4 * (step / spv) + t) + 4 * (step % spv) + 2 * e;
+}
+
+/// The walked queries of the window (s_f's tq, fp32) as m16n8k16 B fragments of bf16 hi and
+/// lo parts, per local value head, k-step and lane: {b0 hi, b1 hi, b0 lo, b1 lo} with token
+/// n = g (zero for g >= T), into the shared memory at p.smem.mma_query.
+template <typename read_t>
+__device__ __forceinline__ void stage_query_fragments(const ReplayParams& p, int h_lo, int h_hi,
+                                                      unsigned char* smem) {
+  const int G = p.heads_per_key, T = p.num_tokens;
+  const int steps = mma_read_steps(p.cache.dims.cols, int(sizeof(read_t)));
+  const float* s_f = reinterpret_cast<const float*>(smem);
+  auto* frags = reinterpret_cast<uint4*>(smem + p.smem.mma_query);
+  const int n = (h_hi - h_lo + 1) * steps * 32;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int lane = i % 32, g = lane / 4, t = lane % 4;
+    const int step = (i / 32) % steps;
+    const int h = h_lo + i / (32 * steps);
+    std::uint32_t hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
+    if (g < T) {
+      // Past K the walked queries are zero (tq is kMaxHeadKDim wide, zero past K).
+      const float* q = s_f + p.smem.tq + (g * G + h) * kMaxHeadKDim;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = mma_read_col<read_t>(step, e, t);
+        const float x0 = c < kMaxHeadKDim ? q[c] : 0.0f;
+        const float x1 = c + 1 < kMaxHeadKDim ? q[c + 1] : 0.0f;
+        hi[e] = float2_to_bf16x2(x0, x1);
+        const float h0 = __uint_as_float(hi[e] << 16), h1 = __uint_as_float(hi[e] & 0xffff0000u);
+        lo[e] = float2_to_bf16x2(x0 - h0, x1 - h1);
+      }
+    }
+    frags[(h * steps + step) * 32 + lane] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+  }
+}
+
+/// A's pairs of k-step w of a lane's vector (mma_read_col): slots 2t (first) and 2t + 8.
+template <typename read_t>
+__device__ __forceinline__ void mma_read_pairs(const uint4& v, int w, std::uint32_t& a0,
+                                               std::uint32_t& a2) {
+  const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (std::is_same_v<read_t, bf16_t>) {
+    a0 = words[2 * w];
+    a2 = words[2 * w + 1];
+  } else {
+    static_assert(std::is_same_v<read_t, fp8e4m3_t>, "bf16 or fp8 read copies");
+    a0 = fp8x2_to_bf16x2(words[w] & 0xffffu);
+    a2 = fp8x2_to_bf16x2(words[w] >> 16);
+  }
+}
+
+/// Phase 3 of a verify window's reading step on the tensor cores: o_n[row] = S_read[row]·t_n +
+/// the walks' ring part, every token n < T of the rows [row_begin, row_end) of a bf16 or fp8
+/// read copy (fp8: the row's scale applied to the product), each warp a 16-row tile at a time
+/// (all of it in one value head: V % 16 == 0). Each product is exact in the fp32 accumulator,
+/// and hi + lo carries t within 2^-16.
+template <typename input_t, CheckpointPrecision P>
+__device__ __forceinline__ void read_window_mma(const ReplayParams& p, const CheckpointHead<P>& ck,
+                                                int row_begin, int row_end, input_t* out_rows,
+                                                const unsigned char* smem) {
+  using read_t = typename CheckpointTypes<P>::read_t;
+  constexpr int vc = mma_vector_cols(int(sizeof(read_t))), spv = vc / 4;
+  constexpr int kVecs = kMaxHeadKDim / (4 * vc);  // 16-byte vectors of a row per lane
+  const int K = p.cache.dims.cols, V = p.cache.dims.rows, Hv = p.cache.dims.heads;
+  const int G = p.heads_per_key, T = p.num_tokens;
+  const int steps = mma_read_steps(K, int(sizeof(read_t)));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float* s_f = reinterpret_cast<const float*>(smem);
+  const auto* frags = reinterpret_cast<const uint4*>(smem + p.smem.mma_query);
+  const read_t* rows = ck.read_row(row_begin);
+  const int tiles = (row_end - row_begin + 15) / 16;
+  for (int tile = warp; tile < tiles; tile += kThreads / 32) {
+    const int r0 = row_begin + 16 * tile;
+    const int next = r0 + 16 * (kThreads / 32);  // this warp's next tile, into L2 meanwhile
+    if (lane == 0 && next < row_end) {
+      prefetch_l2(rows + std::int64_t{next - row_begin} * K,
+                  std::uint32_t(min(16, row_end - next) * K * int(sizeof(read_t))));
+    }
+    uint4 a[2][kVecs];  // rows g and g + 8
+    float scale[2] = {1.0f, 1.0f};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + g + 8 * half;
+      const read_t* row = rows + std::int64_t{r - row_begin} * K;
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int c = vc * (4 * j + t);
+        a[half][j] = r < row_end && c < K
+                         ? __ldcs(reinterpret_cast<const uint4*>(row + c))
+                         : make_uint4(0u, 0u, 0u, 0u);
+      }
+      if constexpr (CheckpointTypes<P>::kScaled) {
+        if (r < row_end) scale[half] = ck.scale[r];
+      }
+    }
+    const int h = value_head(p, r0);  // the tile's local value head
+    float acc[4] = {};
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j * spv >= steps) break;
+#pragma unroll
+      for (int w = 0; w < spv; ++w) {
+        std::uint32_t fa[4];  // a0 (row g), a1 (row g + 8), a2 (row g), a3 (row g + 8)
+        mma_read_pairs<read_t>(a[0][j], w, fa[0], fa[2]);
+        mma_read_pairs<read_t>(a[1][j], w, fa[1], fa[3]);
+        const uint4 b = frags[(h * steps + j * spv + w) * 32 + lane];
+        mma_bf16(acc, fa, b.x, b.y);
+        mma_bf16(acc, fa, b.z, b.w);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // Accumulator e: row g + 8·(e / 2) of the tile, token 2t + e % 2 (mma.cuh).
+      const int r = r0 + g + 8 * (e / 2);
+      const int n = 2 * t + e % 2;
+      if (r >= row_end || n >= T) continue;
+      const int v = r - h * V;
+      out_rows[std::int64_t{n} * Hv * V + r] = from_float<input_t>(
+          s_f[p.smem.oring + (n * G + h) * V + v] + acc[e] * scale[e / 2]);
+    }
+  }
+}
+
 /// kWindow: the instantiation for verify windows (T >= 2), with their own walk and output sums.
 template <typename input_t, CheckpointPrecision P, bool kConv, bool kWindow>
 __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
@@ -458,6 +596,12 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   // they are never used. See kThreads for what this is worth and what bounds the step.
   constexpr int kRows = kOutputRows<read_t>;
   using Frag = typename Split::template Fragment<read_t>;
+  constexpr int kChunks = kPerLane / Frag::kVecN;
+  static_assert(kRows * kChunks == kPassPieces, "a pass is kPassPieces 16-byte pieces a thread");
+  // Staged passes (stages_passes) stream through shared memory (cp.async): the next pass is
+  // in flight while this one's rows are summed, and no registers hold it.
+  constexpr bool kStagedPasses = stages_passes(P, kWindow);
+  static_assert(!(kStagedPasses && Traits::kScaled), "an fp8 row's scale is not staged");
   Frag f[kRows];
   float scale[kRows];
   // A pass reads rows base + rg + u·kRowGroups; this thread's first row and the strides are
@@ -477,9 +621,64 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
       }
     }
   };
-  if (T > 0) load_pass(row_begin);
-  // Where it pays (gdn_params.cuh, kL2PrefetchPasses), the passes after it are requested into
-  // L2 ahead of their loads, l2_passes ahead, by one thread.
+  // A staged pass: piece (u, k) of thread i at 16·(kThreads·(u·kChunks + k) + i), so that a
+  // warp's reads of one piece are 512 contiguous bytes (no bank conflicts). Each thread reads
+  // back only what it copied itself, so no barrier is needed, only its own cp.async groups:
+  // one committed per pass, empty past the end.
+  const auto piece_at = [&](unsigned char* buf, int u, int k) {
+    return buf + 16 * (kThreads * (u * kChunks + k) + int(threadIdx.x));
+  };
+  const auto issue_pass = [&](int base, unsigned char* buf) {
+    const read_t* at = rows + std::int64_t{base - row_begin} * K;
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      if (base + rg + u * kRowGroups >= row_end) continue;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int c = (k * kRowLanes + lane) * Frag::kVecN;
+        if (c < K) cp_async_16(piece_at(buf, u, k), at + u * kRowGroups * K + c);
+      }
+    }
+    cp_async_commit();
+  };
+  const auto read_pass = [&](int base, unsigned char* buf) {
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const bool row = base + rg + u * kRowGroups < row_end;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int c = (k * kRowLanes + lane) * Frag::kVecN;
+        if (row && c < K) {
+          f[u].chunk[k].load(reinterpret_cast<const read_t*>(piece_at(buf, u, k)));
+        } else {
+          f[u].chunk[k] = {};
+        }
+      }
+      scale[u] = 1.0f;
+    }
+  };
+  unsigned char* const pass_buf0 = smem + p.smem.pass[0];
+  unsigned char* const pass_buf1 = smem + p.smem.pass[1];
+  // A tensor-core read (read_window_mma) loads its rows in its own layout: the first tile of
+  // each warp is requested into L2 instead.
+  constexpr bool kTcRead = reads_on_tensor_cores(P, kWindow);
+  const bool tc_read = kTcRead && p.tc_read;
+  if (T > 0) {
+    if constexpr (kStagedPasses) {
+      issue_pass(row_begin, pass_buf0);
+    } else if (tc_read) {
+      if (threadIdx.x == 0) {
+        prefetch_l2(ck.read_row(row_begin),
+                    std::uint32_t(min(kThreads / 2, row_end - row_begin) * K *
+                                  int(sizeof(read_t))));
+      }
+    } else {
+      load_pass(row_begin);
+    }
+  }
+  // Where it pays (gdn_params.cuh, kL2PrefetchPasses: register passes of an fp32 read copy),
+  // the passes after it are requested into L2 ahead of their loads, l2_passes ahead, by one
+  // thread.
   constexpr int kPassRows = kRowGroups * kRows;
   const auto prefetch_pass = [&](int base) {
     if (threadIdx.x == 0 && base < row_end) {
@@ -494,7 +693,10 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   const std::uint32_t committed = l.committed[slot];
   const FoldCursor cursor =
       fold_cursor(l, fold_cursor_load(l, layer, slot), committed, T);
-  if (!allocated) return;  // a free slot: nothing written
+  if (!allocated) {  // a free slot: nothing written
+    cp_async_wait_all();  // the first pass's copies land before the block's memory is freed
+    return;
+  }
   const std::uint32_t first = cursor.first;
   const std::uint32_t unfolded_count = cursor.unfolded;
   const bool fold = cursor.fold;
@@ -531,11 +733,29 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
       T > 0 ? static_cast<input_t*>(p.in.o) + (std::int64_t{b} * T * l.dims.heads + hk * G) * V
             : nullptr;
   if (!fold) {
+    if constexpr (kTcRead) {
+      if (tc_read) {
+        stage_query_fragments<read_t>(p, h_lo, h_hi, smem);  // over the records, dead now
+        __syncthreads();
+        read_window_mma<input_t, P>(p, ck, row_begin, row_end, out_rows, smem);
+        return;
+      }
+    }
     // One pass per CTA at the host's tiling; the loop bound is the same for the whole block
     // (base, not a lane's own row): the row reductions shuffle over full warps, so a lane
     // whose rows lie past the end still runs the pass, on zeros.
-    for (int base = row_begin; base < row_end; base += kRowGroups * kRows) {
-      if (base != row_begin) {
+    // Staged: pass 0 has landed (the staging's wait); pass 1 goes to the second buffer now that
+    // the walks are done with the records under it, and each pass's buffer takes the pass two
+    // ahead once its rows are summed (the sums used the registers read from it, so those
+    // reads are complete).
+    if constexpr (kStagedPasses) issue_pass(row_begin + kPassRows, pass_buf1);
+    int pass = 0;
+    for (int base = row_begin; base < row_end; base += kPassRows, ++pass) {
+      unsigned char* const buf = pass & 1 ? pass_buf1 : pass_buf0;
+      if constexpr (kStagedPasses) {
+        cp_async_wait<1>();
+        read_pass(base, buf);
+      } else if (base != row_begin) {
         load_pass(base);
         if (p.l2_passes > 0) prefetch_pass(base + p.l2_passes * kPassRows);
       }
@@ -554,6 +774,7 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
         emit_outputs<input_t, read_t, kPairs>(p, h, r - h * V, out_rows + r, r < row_end, s, s_f,
                                               lane);
       }
+      if constexpr (kStagedPasses) issue_pass(base + 2 * kPassRows, buf);
     }
     return;
   }
@@ -648,7 +869,13 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   static const int l2_passes = tuning_value("REPLAYSSM_TUNE_GDN_L2_PASSES", kL2PrefetchPasses);
   static const int l2_min_batch =
       tuning_value("REPLAYSSM_TUNE_GDN_L2_MIN_BATCH", kL2PrefetchMinBatch);
-  p.l2_passes = std::is_same_v<read_t, float> && batch >= l2_min_batch ? l2_passes : 0;
+  const bool window_kernel = p.in.conv.in == nullptr && p.num_tokens >= 2;
+  static const bool tc_read = tuning_value("REPLAYSSM_TUNE_GDN_TC_READ", 1) != 0;
+  p.tc_read = tc_read && reads_on_tensor_cores(P, window_kernel) && p.cache.dims.rows % 16 == 0;
+  p.l2_passes = std::is_same_v<read_t, float> && batch >= l2_min_batch &&
+                        !stages_passes(P, window_kernel)
+                    ? l2_passes
+                    : 0;
   const int blocks_per_row = p.cache.dims.key_heads * p.tiling.splits;
   if (blocks_per_row > kMaxFoldBlocks) {
     return unsupported("gdn CUDA replay runs up to " + std::to_string(kMaxFoldBlocks) +
@@ -658,7 +885,7 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   // Conv caches' decodes take their own instantiation, so that the plain one is unchanged; so
   // do verify windows of plain caches (T >= 2: their walks and sums, tuned for windows).
   auto kernel = p.in.conv.in != nullptr ? gdn_replay_kernel<input_t, P, true, false>
-                : p.num_tokens >= 2     ? gdn_replay_kernel<input_t, P, false, true>
+                : window_kernel         ? gdn_replay_kernel<input_t, P, false, true>
                                         : gdn_replay_kernel<input_t, P, false, false>;
   REPLAYSSM_RETURN_IF_ERROR(allow_dynamic_smem(kernel, p.smem.bytes, "gdn_replay_kernel"));
   return launch_programmatic(kernel, grid, dim3(kThreads), p.smem.bytes, stream, p,
@@ -669,9 +896,19 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
 
 ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
   const StateDims d = c.dims();
+  // As launch() picks the instantiation: windows (T >= 2) of a cache without conv take the
+  // window kernel.
+  const bool window = c.conv_kernel == 0 && num_tokens >= 2;
+  const bool staged = num_tokens > 0 && stages_passes(c.checkpoint, window);
+  // The window kernel's tensor-core reads, as launch() turns them on (its switch aside).
+  const bool tc_read = reads_on_tensor_cores(c.checkpoint, window) && d.rows % 16 == 0;
   return ReplaySmem::make(num_tokens, d.heads_per_key(), d.cols, d.rows,
                           max_history(c.buffer_len, c.max_spec_tokens) + num_tokens,
-                          static_cast<int>(dtype_size(c.input_dtype)), c.conv_kernel > 0);
+                          static_cast<int>(dtype_size(c.input_dtype)), c.conv_kernel > 0,
+                          staged ? kReplayPassBytes : 0,
+                          tc_read ? mma_query_bytes(d.heads_per_key(), d.cols,
+                                                    checkpoint_traits(c.checkpoint).read_bytes())
+                                  : 0);
 }
 
 Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t stream) {

@@ -581,15 +581,8 @@ __device__ __forceinline__ void load_quad(const bf16_t* at, std::uint32_t& lo, s
 __device__ __forceinline__ void load_quad(const fp8e4m3_t* at, std::uint32_t& lo,
                                           std::uint32_t& hi) {
   const std::uint32_t v = *reinterpret_cast<const std::uint32_t*>(at);
-  const auto widen = [](std::uint32_t pair) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
-    const float2 f = __half22float2(__half2(h));
-    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);  // exact: e4m3 ⊂ bf16
-    return *reinterpret_cast<const std::uint32_t*>(&b);
-  };
-  lo = widen(v & 0xffffu);
-  hi = widen(v >> 16);
+  lo = fp8x2_to_bf16x2(v & 0xffffu);
+  hi = fp8x2_to_bf16x2(v >> 16);
 }
 
 // Step 3 of a reading (non-fold) step on the tensor cores: (S·C_n)[row] for the stage's rows
