@@ -99,20 +99,10 @@ std::vector<SideCase> side_cases() {
   wide.qk_l2norm = false;
   out.push_back(wide);
   testing::add_real_shape_cases({qwen4b, qwen122b}, {kF32, kBF16}, &out);
-  // Verify windows over low-precision read copies of whole 16-row heads read on the tensor
+  // Verify windows at a 16-row head, whose low-precision read copies are read on the tensor
   // cores (gdn_params.cuh, reads_on_tensor_cores); fp32 inputs and outputs, so that the walked
   // queries' two bf16 parts are checked to the fp32 outputs' tolerance, not bf16's.
-  for (CheckpointPrecision p : {CheckpointPrecision::kBf16, CheckpointPrecision::kFp32Bf16,
-                                CheckpointPrecision::kFp32Fp8}) {
-    SideCase tc{small.name, small.shape, DecodeMode::kReplay};
-    tc.checkpoint = p;
-    tc.input = kF32;
-    tc.buffer_len = 5;
-    tc.window = 4;
-    tc.steps = 30;
-    tc.stagger = 2;
-    out.push_back(tc);
-  }
+  testing::add_replay_cases(small, small, {}, {kF32}, &out);
   return out;
 }
 
