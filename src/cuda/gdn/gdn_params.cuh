@@ -104,15 +104,15 @@ constexpr int kReplayPassBytes = kThreads * kReplayRowBytes;
 /// gdn_replay.cu) rather than registers: two passes in flight while one is summed, none of
 /// them in registers. qwen35-4b, L = 16, µs per step, registers → staged (the L2 prefetch off
 /// where staged), staggered / aligned: batch 256 fp32 171.6 / 193.7 → 170.3 / 186.1, bf16
-/// 139.6 / 139.6 → 132.6 / 133.2; batch 1024 fp32 691 / 830 → 683 / 729, bf16 553 / 558 →
-/// 525 / 530; batch 64 within ±1.5%; batch 1 fp32 10.1 → 8.9, bf16 10.0 → 9.3. The dual
-/// copies lost (fp32+bf16 gained 1% at batch 256 and lost 5.6% at 64, fp32+fp8 lost 6-11%:
-/// their folds spill more beside the staging, and an fp8 row's scale is one more copy per
-/// lane), so they keep register passes. Verify-window kernels (`window`) never stage: their staging already
-/// takes the shared memory an 8 KB pass buffer would take from the blocks an SM holds.
-/// docs/BENCHMARKS_CUDA_GDN.md, "Staged passes".
+/// 139.6 / 139.6 → 132.6 / 133.2, fp32+bf16 133.4 / 131.4 → 132.2 / 130.7; batch 1024 fp32
+/// 691 / 830 → 683 / 729, bf16 553 / 558 → 525 / 530, fp32+bf16 525 → 520; batch 64 fp32
+/// and bf16 within ±1.5%, fp32+bf16 48.2 → 50.9; batch 1 fp32 10.1 → 8.9, bf16 10.0 → 9.3.
+/// fp32+fp8 keeps register passes: staged it lost 6-11% (its folds spilled more, and a row's
+/// scale is one more copy per lane). Verify-window kernels (`window`) never stage: their
+/// staging already takes the shared memory an 8 KB pass buffer would take from the blocks an
+/// SM holds. docs/BENCHMARKS_CUDA_GDN.md, "Staged passes".
 constexpr bool stages_passes(CheckpointPrecision p, bool window) {
-  return !window && (p == CheckpointPrecision::kBf16 || p == CheckpointPrecision::kFp32);
+  return !window && p != CheckpointPrecision::kFp32Fp8;
 }
 constexpr int kWarps = kThreads / 32;
 /// Eager tile (gdn_eager.cu has the measurements): 64 threads, 2 rows in flight per thread,
