@@ -188,12 +188,11 @@ struct ReplaySmem {
   int vec_bytes = 0;  ///< input_t [records][vec_stride]  v of the G heads
   int vec_stride = 0;
   int conv_q_bytes = 0;  ///< conv caches: input_t [T][K]  the window's q after the conv
-  /// Single-token steps: two buffers of pass_bytes, through which the read copy's passes
+  /// Single-token steps: two buffers of kReplayPassBytes, through which the read copy's passes
   /// stream (stages_passes). The first is the CTA's own, as its pass is requested before the
   /// ring is staged; the second lies over the staged records (key_bytes on), which are dead
   /// once the walks are done, where they are large enough.
   int pass[2] = {0, 0};
-  int pass_bytes = 0;
   int bytes = 0;
 
   /// Verify windows read on the tensor cores (reads_on_tensor_cores): the queries' fragments
@@ -229,7 +228,6 @@ struct ReplaySmem {
     s.mma_query = s.key_bytes;
     s.bytes = std::max(s.bytes, s.key_bytes + mma_query_bytes);
     if (pass_bytes > 0) {
-      s.pass_bytes = pass_bytes;
       s.pass[0] = (s.bytes + 15) / 16 * 16;
       s.pass[1] = s.pass[0] - s.key_bytes >= pass_bytes ? s.key_bytes : s.pass[0] + pass_bytes;
       s.bytes = std::max(s.pass[0], s.pass[1]) + pass_bytes;

@@ -654,7 +654,6 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
           f[u].chunk[k] = {};
         }
       }
-      scale[u] = 1.0f;
     }
   };
   unsigned char* const pass_buf0 = smem + p.smem.pass[0];
@@ -850,6 +849,17 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   if (threadIdx.x == 0) fold_cursor_arrive(l, layer, slot, committed, gridDim.x);
 }
 
+/// Whether a decode of `num_tokens` takes the verify-window instantiation: windows (T >= 2) of a
+/// cache without conv (conv caches take their own for every T). launch() picks the kernel by
+/// it and replay_smem() sizes that kernel's shared memory by it.
+bool takes_window_kernel(bool conv, int num_tokens) { return !conv && num_tokens >= 2; }
+/// Whether such a decode reads on the tensor cores (REPLAYSSM_TUNE_GDN_TC_READ aside): a
+/// precision and kernel that have the code (reads_on_tensor_cores), and value heads of whole
+/// 16-row tiles.
+bool tc_read_fits(CheckpointPrecision p, bool window, int head_v_dim) {
+  return reads_on_tensor_cores(p, window) && head_v_dim % 16 == 0;
+}
+
 template <typename input_t, CheckpointPrecision P>
 Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   using read_t = typename CheckpointTypes<P>::read_t;
@@ -869,9 +879,9 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   static const int l2_passes = tuning_value("REPLAYSSM_TUNE_GDN_L2_PASSES", kL2PrefetchPasses);
   static const int l2_min_batch =
       tuning_value("REPLAYSSM_TUNE_GDN_L2_MIN_BATCH", kL2PrefetchMinBatch);
-  const bool window_kernel = p.in.conv.in == nullptr && p.num_tokens >= 2;
+  const bool window_kernel = takes_window_kernel(p.in.conv.in != nullptr, p.num_tokens);
   static const bool tc_read = tuning_value("REPLAYSSM_TUNE_GDN_TC_READ", 1) != 0;
-  p.tc_read = tc_read && reads_on_tensor_cores(P, window_kernel) && p.cache.dims.rows % 16 == 0;
+  p.tc_read = tc_read && tc_read_fits(P, window_kernel, p.cache.dims.rows);
   p.l2_passes = std::is_same_v<read_t, float> && batch >= l2_min_batch &&
                         !stages_passes(P, window_kernel)
                     ? l2_passes
@@ -896,12 +906,9 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
 
 ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
   const StateDims d = c.dims();
-  // As launch() picks the instantiation: windows (T >= 2) of a cache without conv take the
-  // window kernel.
-  const bool window = c.conv_kernel == 0 && num_tokens >= 2;
+  const bool window = takes_window_kernel(c.conv_kernel > 0, num_tokens);
   const bool staged = num_tokens > 0 && stages_passes(c.checkpoint, window);
-  // The window kernel's tensor-core reads, as launch() turns them on (its switch aside).
-  const bool tc_read = reads_on_tensor_cores(c.checkpoint, window) && d.rows % 16 == 0;
+  const bool tc_read = tc_read_fits(c.checkpoint, window, d.rows);
   return ReplaySmem::make(num_tokens, d.heads_per_key(), d.cols, d.rows,
                           max_history(c.buffer_len, c.max_spec_tokens) + num_tokens,
                           static_cast<int>(dtype_size(c.input_dtype)), c.conv_kernel > 0,
