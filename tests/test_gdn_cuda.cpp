@@ -103,6 +103,17 @@ std::vector<SideCase> side_cases() {
   // cores (gdn_params.cuh, reads_on_tensor_cores); fp32 inputs and outputs, so that the walked
   // queries' two bf16 parts are checked to the fp32 outputs' tolerance, not bf16's.
   testing::add_replay_cases(small, small, {}, {kF32}, &out);
+  // A batch at kFoldPairsBatchLimit (gdn_params.cuh), where single-token folds go record by
+  // record; below it, in every case above, they fold in pairs (plain caches' windows never do).
+  const NamedShape<GdnShape> small_b256{"small_b256", kSmall};
+  for (CheckpointPrecision p : kAllPrecisions) {
+    SideCase c{small_b256.name, small_b256.shape, DecodeMode::kReplay};
+    c.checkpoint = p;
+    c.input = kBF16;
+    c.batch = 256;
+    c.stagger = 1;
+    out.push_back(c);
+  }
   return out;
 }
 

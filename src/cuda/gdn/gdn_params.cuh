@@ -70,6 +70,19 @@ constexpr int kFoldFirstMinBatch = 32;
 /// (830 → 750 µs; "Staged passes"). So it serves fp32 verify windows.
 constexpr int kL2PrefetchPasses = 2;
 constexpr int kL2PrefetchMinBatch = 256;
+/// Whether a fold replays its records two at a time (gdn_replay.cu, phase 3'): one chain of
+/// row sums per pair instead of per record, the same instructions within a few percent. It
+/// shortens each folding CTA, which is what a staggered step waits for when a launch is one or
+/// two waves of CTAs; where several waves keep the GPU busy around the folds, and under the
+/// verify-window kernel, the record-by-record fold ran faster. qwen35-4b, L = 16, µs per step,
+/// staggered, record by record → pairs (one build, REPLAYSSM_TUNE_GDN_FOLD_PAIRS): batch 16
+/// bf16 24.8 → 22.0, fp32+bf16 25.5 → 23.1, fp32 25.7 → 24.3; batch 64 bf16 47.9 → 45.5,
+/// fp32+bf16 50.1 → 47.7; batch 256 fp32+bf16 133.4 → 136.2, bf16 126.9 → 128.9; 4-token
+/// windows at 256 fp32 292.5 → 299.7 (docs/BENCHMARKS_CUDA_GDN.md, "Folds in pairs").
+constexpr int kFoldPairsBatchLimit = 256;
+constexpr bool folds_in_pairs(bool window_kernel, int batch) {
+  return !window_kernel && batch < kFoldPairsBatchLimit;
+}
 /// Bytes of the read copy each thread has in flight per pass (fp32: 1 row, bf16 2, fp8 4).
 constexpr int kReplayRowBytes = 64;
 /// The 16-byte pieces of one thread's pass.
@@ -184,6 +197,7 @@ struct ReplaySmem {
   int alpha = 0;  ///< float [records][G]          e^g
   int beta = 0;   ///< float [records][G]
   int kscale = 0;  ///< float [records]             k's normalisation factor (ring_key_scale)
+  int pair_dot = 0;  ///< float [records]           folds in pairs: raw k_j·k_{j+1}, even j
   int key_bytes = 0;  ///< input_t [records][K]    raw k (history, then window); k̂ = k·kscale
   int vec_bytes = 0;  ///< input_t [records][vec_stride]  v of the G heads
   int vec_stride = 0;
@@ -214,6 +228,8 @@ struct ReplaySmem {
     s.beta = f;
     f += records * G;
     s.kscale = f;
+    f += records;
+    s.pair_dot = f;
     f += records;
     f = (f + 3) / 4 * 4;
     s.key_bytes = f * 4;
@@ -250,6 +266,7 @@ struct ReplayParams {
   bool fold_first = false;  ///< serve the rows whose fold is due first (fold_order.cuh)
   int l2_passes = 0;  ///< passes of the read copy requested into L2 ahead (kL2PrefetchPasses)
   bool tc_read = false;  ///< a window's outputs read on the tensor cores (reads_on_tensor_cores)
+  bool fold_pairs = false;  ///< folds replay two records a round (gdn_replay.cu, phase 3')
   RowTiling tiling;
   ReplaySmem smem;
 };

@@ -781,6 +781,21 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   // Phase 3': fold, then (decode) the outputs from the refreshed read copy.
   const auto [s_alpha, s_beta, s_kscale, s_key, s_vec] = staged_records<input_t>(p, smem);
   using MasterFrag = typename Split::template Fragment<master_t, read_t>;
+  // Folds in pairs (fold_pairs): the raw keys' products k_j·k_{j+1} of each pair, once per CTA.
+  float* const s_pair_dot = reinterpret_cast<float*>(smem) + p.smem.pair_dot;
+  const bool pairs = p.fold_pairs;
+  if (pairs) {
+    const int warp = threadIdx.x / 32, wl = threadIdx.x % 32;
+    for (int j = 2 * warp; j + 1 < hist; j += 2 * kWarps) {
+      float acc = 0.0f;
+      for (int c = wl; c < K; c += 32) {
+        acc += to_float(s_key[j * K + c]) * to_float(s_key[(j + 1) * K + c]);
+      }
+      acc = group_sum<32>(acc);
+      if (wl == 0) s_pair_dot[j] = acc;
+    }
+    __syncthreads();
+  }
   for (int base = row_begin; base < row_end; base += kRowGroups * kFoldRows) {
     const int r0 = base + rg;
     // A fold's next pass of the master, likewise (its replay of the history hides the wait).
@@ -811,7 +826,61 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     // fp32+bf16: 193.0 / 146.1 / 148.6 µs against 189.7 / 145.0 / 143.0; spec T = 4: 407.7
     // against 383.0 (docs/BENCHMARKS_CUDA_GDN.md, "Tuning"). The CPU fold now uses the chunk
     // form (cpu/fold.cpp), the candidate here too (docs/BENCHMARKS.md, what bounds replay).
-    for (int j = 0; j < hist; ++j) {
+    int j = 0;
+    // Two records a round (fold_pairs): with s' = α_j·s + d_j·k_j, the second record's product
+    // is α_{j+1}·(α_j·(s·k_{j+1}) + d_j·(k_j·k_{j+1})), so both products s·k_j and s·k_{j+1}
+    // are summed from the same s at once and the row is updated once, s ← α_j·α_{j+1}·s +
+    // α_{j+1}·d_j·k_j + d_{j+1}·k_{j+1}: one chain of sums across the row's lanes per pair
+    // where the record-by-record fold has one per record. Exact up to rounding order.
+    for (; pairs && j + 2 <= hist; j += 2) {
+      float dot0[kFoldRows], dot1[kFoldRows];
+      {
+        float key[kPerLane];
+        gather_key<read_t>(s_key + j * K, lane, K, key);
+#pragma unroll
+        for (int u = 0; u < kFoldRows; ++u) {
+          dot0[u] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i) dot0[u] += s[u][i] * key[i];
+        }
+        gather_key<read_t>(s_key + (j + 1) * K, lane, K, key);
+#pragma unroll
+        for (int u = 0; u < kFoldRows; ++u) {
+          dot1[u] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kPerLane; ++i) dot1[u] += s[u][i] * key[i];
+        }
+      }
+      const float ks0 = s_kscale[j], ks1 = s_kscale[j + 1], kk = s_pair_dot[j];
+      float decay[kFoldRows], c0[kFoldRows], c1[kFoldRows];
+#pragma unroll
+      for (int u = 0; u < kFoldRows; ++u) {
+        const float p0 = group_sum<kRowLanes>(dot0[u]), p1 = group_sum<kRowLanes>(dot1[u]);
+        const float a0 = s_alpha[j * G + h[u]], a1 = s_alpha[(j + 1) * G + h[u]];
+        const float x0 = to_float(s_vec[j * p.smem.vec_stride + row[u]]);
+        const float x1 = to_float(s_vec[(j + 1) * p.smem.vec_stride + row[u]]);
+        const float d0 = s_beta[j * G + h[u]] * (x0 - a0 * p0 * ks0) * ks0;
+        const float q1 = (a1 * (a0 * p1 + d0 * kk)) * ks1;
+        const float d1 = s_beta[(j + 1) * G + h[u]] * (x1 - q1) * ks1;
+        decay[u] = a0 * a1;
+        c0[u] = a1 * d0;
+        c1[u] = d1;
+      }
+      float key[kPerLane];
+      gather_key<read_t>(s_key + j * K, lane, K, key);
+#pragma unroll
+      for (int u = 0; u < kFoldRows; ++u) {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) s[u][i] = s[u][i] * decay[u] + c0[u] * key[i];
+      }
+      gather_key<read_t>(s_key + (j + 1) * K, lane, K, key);
+#pragma unroll
+      for (int u = 0; u < kFoldRows; ++u) {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) s[u][i] += c1[u] * key[i];
+      }
+    }
+    for (; j < hist; ++j) {
       // k̂_j = scale_j·k_j with the scale taken into the row's two scalars (s·k̂ = scale·(s·k),
       // d·k̂ = (d·scale)·k): the same fp32 arithmetic as the CPU's up to rounding order, and
       // no per-element product: scaling the 16 gathered values doubled the kernel's spills
@@ -882,6 +951,8 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   const bool window_kernel = takes_window_kernel(p.in.conv.in != nullptr, p.num_tokens);
   static const bool tc_read = tuning_value("REPLAYSSM_TUNE_GDN_TC_READ", 1) != 0;
   p.tc_read = tc_read && tc_read_fits(P, window_kernel, p.cache.dims.rows);
+  static const bool fold_pairs = tuning_value("REPLAYSSM_TUNE_GDN_FOLD_PAIRS", 1) != 0;
+  p.fold_pairs = fold_pairs && folds_in_pairs(window_kernel, batch);
   p.l2_passes = std::is_same_v<read_t, float> && batch >= l2_min_batch &&
                         !stages_passes(P, window_kernel)
                     ? l2_passes
