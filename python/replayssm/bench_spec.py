@@ -12,7 +12,7 @@ argmax, acceptance, commit):
 - ``replay-verify``: a replay cache verifies windows of T tokens from its checkpoint and ring,
   writing no state; rollback is the commit's cursor. Its state mode (``--replay-mode MODE`` for
   every layout, ``LAYOUT=MODE`` for one) defaults to the faster one per family,
-  ``REPLAY_MODE``: replay-fp32+bf16:8 for Nemotron-H, replay-fp32:8 for Qwen3.5.
+  ``REPLAY_MODE``: replay-fp32+bf16:8 for both families.
 - ``per-draft-state``: an eager cache (``--eager-mode``, default eager-fp32: fp32 state, as
   Nemotron-H's configuration asks, ``mamba_ssm_cache_dtype``) with ``max_spec_tokens = T``: the window writes a
   state copy per token and commit selects one, as engines verify drafts today.
@@ -103,10 +103,11 @@ FAMILY = {"nemotron-nano-4b": "nemotron_h", "nemotron-tiny": "nemotron_h",
 TARGETS = {"nemotron-nano-4b": 1.8, "qwen3.5-4b": 1.5}
 
 #: The replay mode each family verifies windows with by default: the faster one at batch 256,
-#: T = 4 on an H200 (docs/BENCHMARKS.md). L = 8 for both (a window's outputs combine up to
-#: L - 1 + T records); Nemotron-H's Mamba-2 verify kernel gains from a bf16 read copy, Qwen3.5's
-#: GDN one does not (1.48-1.50x with it against 1.51-1.52x without).
-REPLAY_MODE = {"nemotron_h": "replay-fp32+bf16:8", "qwen3_5": "replay-fp32:8"}
+#: T = 4 on an H200 (docs/BENCHMARKS.md). L = 8 (a window's outputs combine up to L - 1 + T
+#: records) and a bf16 read copy beside the fp32 master for both: both verify kernels read
+#: bf16 copies on the tensor cores (Qwen3.5-4B 1.57x with it against 1.50x with an fp32
+#: checkpoint alone, one device call).
+REPLAY_MODE = {"nemotron_h": "replay-fp32+bf16:8", "qwen3_5": "replay-fp32+bf16:8"}
 
 
 def acceptance_for(layout: str, window: int, given: list[float] | None) -> list[float]:

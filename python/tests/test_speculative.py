@@ -273,7 +273,7 @@ def test_bench_spec_smoke(tmp_path):
     assert "top kernels: qwen3.5-tiny batch 2 replay-verify" in proc.stdout
     # Each family verifies with its own default replay mode.
     assert {r["layout"]: r["mode"] for r in runs if r["method"] == "replay-verify"} == {
-        "nemotron-tiny": "replay-fp32+bf16:8", "qwen3.5-tiny": "replay-fp32:8"}
+        "nemotron-tiny": "replay-fp32+bf16:8", "qwen3.5-tiny": "replay-fp32+bf16:8"}
 
 
 def test_bench_spec_replay_modes_per_layout():
@@ -281,7 +281,7 @@ def test_bench_spec_replay_modes_per_layout():
 
     layouts = ["nemotron-nano-4b", "qwen3.5-4b"]
     assert bench_spec.replay_modes(None, layouts) == {
-        "nemotron-nano-4b": "replay-fp32+bf16:8", "qwen3.5-4b": "replay-fp32:8"}
+        "nemotron-nano-4b": "replay-fp32+bf16:8", "qwen3.5-4b": "replay-fp32+bf16:8"}
     assert bench_spec.replay_modes(["replay-bf16", "qwen3.5-4b=replay-fp32+fp8:16"], layouts) == {
         "nemotron-nano-4b": "replay-bf16", "qwen3.5-4b": "replay-fp32+fp8:16"}
     for bad in (["eager-fp32"], ["qwen3.5-tiny=replay-fp32"], ["replay-fp64"]):
