@@ -832,25 +832,21 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     // are summed from the same s at once and the row is updated once, s ← α_j·α_{j+1}·s +
     // α_{j+1}·d_j·k_j + d_{j+1}·k_{j+1}: one chain of sums across the row's lanes per pair
     // where the record-by-record fold has one per record. Exact up to rounding order.
+    // This lane's share of s·k_rec (raw key) for each of its rows.
+    const auto lane_products = [&](int rec, float (&dot)[kFoldRows]) {
+      float key[kPerLane];
+      gather_key<read_t>(s_key + rec * K, lane, K, key);
+#pragma unroll
+      for (int u = 0; u < kFoldRows; ++u) {
+        dot[u] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) dot[u] += s[u][i] * key[i];
+      }
+    };
     for (; pairs && j + 2 <= hist; j += 2) {
       float dot0[kFoldRows], dot1[kFoldRows];
-      {
-        float key[kPerLane];
-        gather_key<read_t>(s_key + j * K, lane, K, key);
-#pragma unroll
-        for (int u = 0; u < kFoldRows; ++u) {
-          dot0[u] = 0.0f;
-#pragma unroll
-          for (int i = 0; i < kPerLane; ++i) dot0[u] += s[u][i] * key[i];
-        }
-        gather_key<read_t>(s_key + (j + 1) * K, lane, K, key);
-#pragma unroll
-        for (int u = 0; u < kFoldRows; ++u) {
-          dot1[u] = 0.0f;
-#pragma unroll
-          for (int i = 0; i < kPerLane; ++i) dot1[u] += s[u][i] * key[i];
-        }
-      }
+      lane_products(j, dot0);
+      lane_products(j + 1, dot1);
       const float ks0 = s_kscale[j], ks1 = s_kscale[j + 1], kk = s_pair_dot[j];
       float decay[kFoldRows], c0[kFoldRows], c1[kFoldRows];
 #pragma unroll
