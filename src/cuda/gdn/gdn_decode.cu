@@ -106,9 +106,9 @@ GdnInputs input_args(const GdnDecodeArgs& a, int head_k_dim) {
 }
 
 RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms,
-                     int min_splits) {
+                     int ctas_per_sm, int min_splits) {
   // Enough CTAs for every SM to hold several: a replay CTA is latency-bound (gdn_params.cuh).
-  const int want_ctas = 8 * sms;
+  const int want_ctas = ctas_per_sm * sms;
   const int ctas = std::max(1, batch * num_k_heads);
   const int max_splits = std::max(1, (group_rows + granule - 1) / granule);
   int splits = std::clamp(std::max((want_ctas + ctas - 1) / ctas, min_splits), 1, max_splits);

@@ -18,9 +18,10 @@ namespace replayssm::cuda::gdn {
 GdnInputs input_args(const GdnDecodeArgs& args, int head_k_dim);
 
 /// Splits a key head's rows over several CTAs when batch·num_k_heads CTAs would leave SMs
-/// idle (small batches); `granule` rows at least per CTA; `sms` the device's.
+/// idle (small batches): up to `ctas_per_sm` CTAs for each of the device's `sms`; `granule`
+/// rows at least per CTA.
 RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms,
-                     int min_splits);
+                     int ctas_per_sm, int min_splits);
 
 /// The shared memory of a replay block for a window of `num_tokens` (0: a fold).
 ReplaySmem replay_smem(const StateCacheConfig& config, int num_tokens);

@@ -51,6 +51,22 @@ constexpr int kReplayMinBlocks = 8;
 /// 175 / 175 · 180 / 177 · 211 / 207, 1 split 180 / 192 · 148 / 148 · 153 / 150 · 189 / 179;
 /// batch 1024, fp32 829 → 701, bf16 761 → 592 (docs/BENCHMARKS_CUDA_GDN.md, "Fold-first").
 constexpr int kMinRowSplits = 1;
+/// The rows of a replay CTA are a multiple of this: one fold pass (gdn_replay.cu,
+/// kFoldPassRows). A split smaller than a fold pass (fp32 read copies, whose read passes are 16
+/// rows, took 16-row splits at batch 1 to 4) leaves half of a folding CTA's threads without a
+/// row and stages the history and walks the queries in twice as many CTAs; a split of a whole
+/// fp8 read pass (64 rows) folds in two passes where 32 rows fold in one, while its read is a
+/// single pass either way (rows past a split's end are skipped). qwen35-4b, L = 16,
+/// staggered, fp32, 16 splits of 16 rows → 8 of 32 (REPLAYSSM_TUNE_GDN_CTAS_PER_SM=6, same
+/// build): batch 4 13.5 → 11.8 µs, aligned 12.7 → 11.1 (docs/BENCHMARKS_CUDA_GDN.md, "Fold
+/// helpers, tried"). REPLAYSSM_TUNE_GDN_SPLIT_ROWS=0 takes the read pass as the unit instead.
+constexpr int kSplitRows = 32;
+/// The unit of a split: `split_rows` rounded up to whole row groups (`group_rows`, the rows a
+/// CTA touches per access), or a read pass of `pass_rows` when it is 0.
+constexpr int split_granule(int pass_rows, int split_rows, int group_rows) {
+  return split_rows > 0 ? (split_rows + group_rows - 1) / group_rows * group_rows : pass_rows;
+}
+
 /// From this batch a replay launch serves the rows whose fold is due first
 /// (state_cache/fold_order.cuh). Below it a launch's CTAs are all resident at once (8 per SM),
 /// so the order cannot shorten the step, and the read copy's prefetch, issued before the

@@ -63,6 +63,9 @@ constexpr int kOutputRows = kReplayRowBytes / (kPerLane * int(sizeof(read_t)));
 /// 7 µs more per step (fp32, L = 16, aligned flushes: one fold step in 16) and 24 µs more per
 /// spec verify step with 4 tokens committed per step (a fold every 4 steps).
 constexpr int kFoldRows = 2;
+/// Rows of one fold pass of a CTA, the unit of its rows (gdn_params.cuh, kSplitRows).
+constexpr int kFoldPassRows = kRowGroups * kFoldRows;
+static_assert(kSplitRows == kFoldPassRows, "a split is whole fold passes");
 
 /// Phase 1: the committed history's records (positions first .. first+hist-1) into shared
 /// memory, as staged ring records [j] = position first + j.
@@ -796,14 +799,13 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
     }
     __syncthreads();
   }
-  for (int base = row_begin; base < row_end; base += kRowGroups * kFoldRows) {
+  for (int base = row_begin; base < row_end; base += kFoldPassRows) {
     const int r0 = base + rg;
     // A fold's next pass of the master, likewise (its replay of the history hides the wait).
-    if (p.l2_passes > 0 && threadIdx.x == 0 && base + kRowGroups * kFoldRows < row_end) {
-      const int next = base + kRowGroups * kFoldRows;
+    if (p.l2_passes > 0 && threadIdx.x == 0 && base + kFoldPassRows < row_end) {
+      const int next = base + kFoldPassRows;
       prefetch_l2(ck.master_row(next),
-                  std::uint32_t(min(kRowGroups * kFoldRows, row_end - next) * K *
-                                int(sizeof(master_t))));
+                  std::uint32_t(min(kFoldPassRows, row_end - next) * K * int(sizeof(master_t))));
     }
     float s[kFoldRows][kPerLane];
     int row[kFoldRows], h[kFoldRows];
@@ -938,8 +940,12 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   static const int min_splits = tuning_value("REPLAYSSM_TUNE_GDN_MIN_SPLITS", kMinRowSplits);
   static const int fold_first_min_batch =
       tuning_value("REPLAYSSM_TUNE_FOLD_FIRST_MIN_BATCH", kFoldFirstMinBatch);
+  static const int ctas_per_sm =
+      tuning_value("REPLAYSSM_TUNE_GDN_CTAS_PER_SM", kReplayMinBlocks);
+  static const int split_rows = tuning_value("REPLAYSSM_TUNE_GDN_SPLIT_ROWS", kSplitRows);
   p.tiling = row_tiling(batch, p.cache.dims.key_heads, group_rows,
-                        kRowGroups * kOutputRows<read_t>, limits.sms, min_splits);
+                        split_granule(kRowGroups * kOutputRows<read_t>, split_rows, kRowGroups),
+                        limits.sms, ctas_per_sm, min_splits);
   p.fold_first = use_fold_first(batch, p.num_tokens, fold_first_min_batch);
   static const int l2_passes = tuning_value("REPLAYSSM_TUNE_GDN_L2_PASSES", kL2PrefetchPasses);
   static const int l2_min_batch =
