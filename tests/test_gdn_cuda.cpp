@@ -109,6 +109,24 @@ std::vector<SideCase> side_cases() {
   const NamedShape<GdnShape> small_b256{"small_b256", kSmall};
   testing::add_replay_cases(small_b256, small_b256, {kBF16}, {}, &out);
   for (std::size_t i = first_b256; i < out.size(); ++i) out[i].batch = 256;
+  // The real shape at serving batches: at 16 each key head's rows split over several CTAs
+  // (row_tiling), at 64 the rows are served fold-first (fold_order.cuh); staggered, a few rows
+  // fold on each step, aligned, all on one.
+  const auto serving = [&](const char* name, int batch, int stagger, CheckpointPrecision p) {
+    SideCase c{name, kQwen4b, DecodeMode::kReplay};
+    c.checkpoint = p;
+    c.input = kBF16;
+    c.buffer_len = 16;
+    c.layers = 1;
+    c.batch = batch;
+    c.stagger = stagger;
+    c.steps = batch * stagger + 64;  // every row 4L steps after it joins
+    out.push_back(c);
+  };
+  for (CheckpointPrecision p : testing::kAllPrecisions) serving("qwen4b_b16", 16, 1, p);
+  serving("qwen4b_b64", 64, 1, CheckpointPrecision::kFp32Bf16);
+  serving("qwen4b_b64", 64, 0, CheckpointPrecision::kFp32);
+  serving("qwen4b_b64", 64, 0, CheckpointPrecision::kBf16);
   return out;
 }
 

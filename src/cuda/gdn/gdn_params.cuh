@@ -56,10 +56,11 @@ constexpr int kMinRowSplits = 1;
 /// rows, took 16-row splits at batch 1 to 4) leaves half of a folding CTA's threads without a
 /// row and stages the history and walks the queries in twice as many CTAs; a split of a whole
 /// fp8 read pass (64 rows) folds in two passes where 32 rows fold in one, while its read is a
-/// single pass either way (rows past a split's end are skipped). qwen35-4b, L = 16,
-/// staggered, fp32, 16 splits of 16 rows → 8 of 32 (REPLAYSSM_TUNE_GDN_CTAS_PER_SM=6, same
-/// build): batch 4 13.5 → 11.8 µs, aligned 12.7 → 11.1 (docs/BENCHMARKS_CUDA_GDN.md, "Fold
-/// helpers, tried"). REPLAYSSM_TUNE_GDN_SPLIT_ROWS=0 takes the read pass as the unit instead.
+/// single pass either way (rows past a split's end are skipped). qwen35-4b, L = 16, µs per
+/// step, read pass → fold pass (REPLAYSSM_TUNE_GDN_SPLIT_ROWS=0 → 32, one build): fp32 batch 4
+/// staggered 13.4 → 11.8, aligned 12.7 → 11.1, T = 4 windows at batch 4 27.8 → 19.2; fp32+fp8
+/// staggered 2-4% faster at batch 1-8; costs: fp32 batch 1 8.9 → 9.2, aligned fp32+fp8 batch 8
+/// 15.4 → 18.3 (docs/BENCHMARKS_CUDA_GDN.md, "A replay CTA's rows in whole fold passes").
 constexpr int kSplitRows = 32;
 /// The unit of a split: `split_rows` rounded up to whole row groups (`group_rows`, the rows a
 /// CTA touches per access), or a read pass of `pass_rows` when it is 0.
