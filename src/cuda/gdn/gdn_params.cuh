@@ -95,7 +95,10 @@ constexpr int kL2PrefetchMinBatch = 256;
 /// staggered, record by record → pairs (one build, REPLAYSSM_TUNE_GDN_FOLD_PAIRS): batch 16
 /// bf16 24.8 → 22.0, fp32+bf16 25.5 → 23.1, fp32 25.7 → 24.3; batch 64 bf16 47.9 → 45.5,
 /// fp32+bf16 50.1 → 47.7; batch 256 fp32+bf16 133.4 → 136.2, bf16 126.9 → 128.9; 4-token
-/// windows at 256 fp32 292.5 → 299.7 (docs/BENCHMARKS_CUDA_GDN.md, "Folds in pairs").
+/// windows at 256 fp32 292.5 → 299.7 (docs/BENCHMARKS_CUDA_GDN.md, "Folds in pairs"). Windows
+/// below 256 (REPLAYSSM_TUNE_GDN_FOLD_PAIRS=2: every fold in pairs) gained at T = 2 and batch
+/// 16 (4-5%) and lost at batch 64 (1-4%) and T = 4 from 64 (1-4%): no rule that would hold, so
+/// windows stay record by record ("Verify windows folding in pairs").
 constexpr int kFoldPairsBatchLimit = 256;
 constexpr bool folds_in_pairs(bool window_kernel, int batch) {
   return !window_kernel && batch < kFoldPairsBatchLimit;

@@ -953,8 +953,9 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   const bool window_kernel = takes_window_kernel(p.in.conv.in != nullptr, p.num_tokens);
   static const bool tc_read = tuning_value("REPLAYSSM_TUNE_GDN_TC_READ", 1) != 0;
   p.tc_read = tc_read && tc_read_fits(P, window_kernel, p.cache.dims.rows);
-  static const bool fold_pairs = tuning_value("REPLAYSSM_TUNE_GDN_FOLD_PAIRS", 1) != 0;
-  p.fold_pairs = fold_pairs && folds_in_pairs(window_kernel, batch);
+  // REPLAYSSM_TUNE_GDN_FOLD_PAIRS: 0 never, 1 the rule (folds_in_pairs), 2 every fold.
+  static const int fold_pairs = tuning_value("REPLAYSSM_TUNE_GDN_FOLD_PAIRS", 1);
+  p.fold_pairs = fold_pairs == 2 || (fold_pairs == 1 && folds_in_pairs(window_kernel, batch));
   p.l2_passes = std::is_same_v<read_t, float> && batch >= l2_min_batch &&
                         !stages_passes(P, window_kernel)
                     ? l2_passes
