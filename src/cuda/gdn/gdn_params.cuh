@@ -62,10 +62,10 @@ constexpr int kMinRowSplits = 1;
 /// staggered 2-4% faster at batch 1-8; costs: fp32 batch 1 8.9 → 9.2, aligned fp32+fp8 batch 8
 /// 15.4 → 18.3 (docs/BENCHMARKS_CUDA_GDN.md, "A replay CTA's rows in whole fold passes").
 constexpr int kSplitRows = 32;
-/// The unit of a split: `split_rows` rounded up to whole row groups (`group_rows`, the rows a
-/// CTA touches per access), or a read pass of `pass_rows` when it is 0.
-constexpr int split_granule(int pass_rows, int split_rows, int group_rows) {
-  return split_rows > 0 ? (split_rows + group_rows - 1) / group_rows * group_rows : pass_rows;
+/// The unit of a split: `split_rows` rounded up to a multiple of `access_rows` (the rows a CTA
+/// touches per access, kRowGroups), or a read pass of `pass_rows` when it is 0.
+constexpr int split_granule(int pass_rows, int split_rows, int access_rows) {
+  return split_rows > 0 ? (split_rows + access_rows - 1) / access_rows * access_rows : pass_rows;
 }
 
 /// From this batch a replay launch serves the rows whose fold is due first
