@@ -52,6 +52,9 @@ using testing::Rng;
 const GdnShape kSmall{2, 4, 32, 16};       // 2 value heads per key head
 const GdnShape kOdd{2, 6, 16, 7};          // G = 3, V = 7: G·V not a whole 16-byte run
 const GdnShape kQwen4b{16, 32, 128, 128};  // Qwen3.5-4B
+// Heads of 2 · 128 rows: at batch 4 each key head's rows split over several CTAs of 32 rows
+// (row_tiling), inside an fp8 copy's 64-row read pass.
+const GdnShape kSplitHeads{2, 4, 128, 128};
 const GdnShape kQwen122b{16, 64, 128, 128};  // Qwen3.5-122B
 
 const double kBf16U = std::ldexp(1.0, -8);  // unit roundoff-ish: one bf16 ulp at 1.0
@@ -201,7 +204,9 @@ INSTANTIATE_TEST_SUITE_P(
                       OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 1, kSmall},
                       OracleCase{CheckpointPrecision::kBf16, DType::kBF16, 4, kSmall},
                       OracleCase{CheckpointPrecision::kFp32Bf16, DType::kBF16, 4, kSmall},
-                      OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4, kSmall}),
+                      OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 4, kSmall},
+                      OracleCase{CheckpointPrecision::kFp32, DType::kF32, 1, kSplitHeads},
+                      OracleCase{CheckpointPrecision::kFp32Fp8, DType::kBF16, 1, kSplitHeads}),
     ::testing::PrintToStringParamName());
 
 // Dual precision over a long memory (ALGORITHM.md §6, §10; the CPU version is
