@@ -116,15 +116,9 @@ std::vector<SideCase> side_cases() {
   // (row_tiling), at 64 the rows are served fold-first (fold_order.cuh); staggered, a few rows
   // fold on each step, aligned, all on one.
   const auto serving = [&](const char* name, int batch, int stagger, CheckpointPrecision p) {
-    SideCase c{name, kQwen4b, DecodeMode::kReplay};
-    c.checkpoint = p;
-    c.input = kBF16;
-    c.buffer_len = 16;
-    c.layers = 1;
-    c.batch = batch;
-    c.stagger = stagger;
-    c.steps = batch * stagger + 64;  // every row 4L steps after it joins
-    out.push_back(c);
+    // every row 4L steps after it joins
+    out.push_back(testing::real_shape_replay(NamedShape<GdnShape>{name, kQwen4b}, p, 1, batch,
+                                             stagger, batch * stagger + 64));
   };
   for (CheckpointPrecision p : testing::kAllPrecisions) serving("qwen4b_b16", 16, 1, p);
   serving("qwen4b_b64", 64, 1, CheckpointPrecision::kFp32Bf16);

@@ -178,6 +178,23 @@ void add_replay_cases(const NamedShape<Shape>& plain_shape, const NamedShape<Sha
   }
 }
 
+/// A replay case at a real layer shape as a serving engine runs it: bf16 activations, L = 16,
+/// one layer, `batch` rows joining `stagger` steps apart, `steps` steps.
+template <typename Shape>
+SideCase<Shape> real_shape_replay(const NamedShape<Shape>& s, CheckpointPrecision p, int window,
+                                  int batch, int stagger, int steps) {
+  SideCase<Shape> c{s.name, s.shape, DecodeMode::kReplay};
+  c.checkpoint = p;
+  c.input = DType::kBF16;
+  c.buffer_len = 16;
+  c.window = window;
+  c.layers = 1;
+  c.batch = batch;
+  c.steps = steps;
+  c.stagger = stagger;
+  return c;
+}
+
 /// The real layer shapes: L = 16, 4L steps, one layer, two rows folding on different steps;
 /// eager in each of `eager_states`, replay in every precision, and a T = 4 verify in
 /// fp32+bf16.
@@ -196,16 +213,7 @@ void add_real_shape_cases(std::initializer_list<NamedShape<Shape>> shapes,
       out->push_back(eager);
     }
     const auto replay = [&](CheckpointPrecision p, int window, int stagger) {
-      SideCase<Shape> c{s.name, s.shape, DecodeMode::kReplay};
-      c.checkpoint = p;
-      c.input = DType::kBF16;
-      c.buffer_len = 16;
-      c.window = window;
-      c.layers = 1;
-      c.batch = 2;
-      c.steps = 64;
-      c.stagger = stagger;
-      out->push_back(c);
+      out->push_back(real_shape_replay(s, p, window, 2, stagger, 64));
     };
     for (CheckpointPrecision p : kAllPrecisions) replay(p, 1, 5);
     // A verify window at every real shape: its staging (ring records of L − 1 + T tokens of

@@ -864,6 +864,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
         c0[u] = a1 * d0;
         c1[u] = d1;
       }
+      // The keys are gathered again rather than kept from lane_products: both held across the
+      // sums would be 32 more registers under the 64-register cap.
       float key[kPerLane];
       gather_key<read_t>(s_key + j * K, lane, K, key);
 #pragma unroll
