@@ -107,16 +107,22 @@ constexpr bool folds_in_pairs(bool window_kernel, int batch) {
 constexpr int kReplayRowBytes = 64;
 /// The 16-byte pieces of one thread's pass.
 constexpr int kPassPieces = kReplayRowBytes / 16;
-/// Whether a verify window's outputs read a low-precision copy on the tensor cores
-/// (gdn_replay.cu, read_window_mma): S·t for every row and token as m16n8k16 bf16 products
-/// (fp8 widened exactly), the walked queries t carried as two bf16 parts (hi + lo, within
-/// 2^-16 of t: far below the read copy's own rounding), where the CUDA cores need per row and
-/// token 16 products, the queries' loads from shared memory and a reduction across the row's
-/// lanes. Value heads of a multiple of 16 rows (a product's 16 rows share one head's queries);
-/// REPLAYSSM_TUNE_GDN_TC_READ=0 turns it off. An fp32 copy would need three TF32 products
-/// per pair of parts for its accuracy and stays on the CUDA cores.
+/// Whether a step's outputs read a low-precision copy on the tensor cores (gdn_replay.cu,
+/// read_window_mma): S·t for every row and token as m16n8k16 bf16 products (fp8 widened
+/// exactly), the walked queries t carried as two bf16 parts (hi + lo, within 2^-16 of t: far
+/// below the read copy's own rounding), where the CUDA cores need per row and token 16
+/// products, the queries' loads from shared memory and a reduction across the row's lanes.
+/// Value heads of a multiple of 16 rows (a product's 16 rows share one head's queries);
+/// REPLAYSSM_TUNE_GDN_TC_READ=0 turns it off. Verify windows of a bf16 or fp8 copy, and
+/// single-token steps of an fp8 copy, whose rows the CUDA cores would each widen from e4m3
+/// element by element (qwen35-4b, staggered: 178.6 → 154.1 µs at batch 256, 668 → 580 at
+/// 1024, 60.5 → 56.6 at 64; batch 1 11.2 → 11.6). A single-token bf16 step stays on the CUDA
+/// cores: its staged passes (stages_passes) keep two passes in flight, where the tensor-core
+/// read loads each tile as it reaches it, and the same build ran it 6% slower at batch 256 and
+/// 8% at 64. An fp32 copy would need three TF32 products per pair of parts for its accuracy
+/// and stays on the CUDA cores.
 constexpr bool reads_on_tensor_cores(CheckpointPrecision p, bool window) {
-  return window && p != CheckpointPrecision::kFp32;
+  return window ? p != CheckpointPrecision::kFp32 : p == CheckpointPrecision::kFp32Fp8;
 }
 /// Columns of a 16-byte vector of a read copy of `read_bytes`-byte values, and the k-steps of
 /// 16 columns of a tensor-core read of K columns: each lane's vector feeds vector_cols / 4 of
@@ -285,7 +291,7 @@ struct ReplayParams {
   bool vec_async = false;  ///< ring v records of G heads are 16-byte aligned runs (cp.async)
   bool fold_first = false;  ///< serve the rows whose fold is due first (fold_order.cuh)
   int l2_passes = 0;  ///< passes of the read copy requested into L2 ahead (kL2PrefetchPasses)
-  bool tc_read = false;  ///< a window's outputs read on the tensor cores (reads_on_tensor_cores)
+  bool tc_read = false;  ///< outputs read on the tensor cores (reads_on_tensor_cores)
   bool fold_pairs = false;  ///< folds replay two records a round (gdn_replay.cu, phase 3')
   RowTiling tiling;
   ReplaySmem smem;

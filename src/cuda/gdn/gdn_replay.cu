@@ -10,8 +10,9 @@
 //   3. rows: each state row is read once from the read copy and multiplied by the T walked
 //      queries (T dot products per row: a verify of T tokens costs one read of the state).
 //      Single tokens stream fp32 and bf16 copies through shared memory (stages_passes);
-//      verify windows over bf16 and fp8 copies take the products on the tensor cores
-//      (read_window_mma); the rest hold their passes in registers;
+//      verify windows over bf16 and fp8 copies, and single tokens over fp8 ones, take the
+//      products on the tensor cores (read_window_mma, reads_on_tensor_cores); the rest hold
+//      their passes in registers;
 //   3'. or, when a fold is due (committed − folded >= L; any history for an explicit fold), the
 //      rows are read from the fp32 master, the history is replayed forward in fp32 registers
 //      (§5: s ← α s; d = β(v − s·k̂); s ← s + d k̂), written back to every copy (§6), and the
@@ -428,14 +429,14 @@ __device__ __forceinline__ void emit_outputs(const ReplayParams& p, int h, int v
   }
 }
 
-/// The tensor-core read of a verify window (reads_on_tensor_cores). A lane (g, t) of a warp
-/// (lane = 4g + t, mma.cuh) loads, of state rows g and g + 8 of a 16-row tile, the 16-byte
+/// The tensor-core read of a window of T >= 1 tokens (reads_on_tensor_cores). A lane (g, t) of a
+/// warp (lane = 4g + t, mma.cuh) loads, of state rows g and g + 8 of a 16-row tile, the 16-byte
 /// vectors j at columns vc·(4j + t) (vc = 8 bf16 or 16 fp8 values a vector): a row's four lanes
-/// read 64 contiguous bytes per j. Vector j feeds k-steps j·vc/4 on, 4 columns each: bf16 words
-/// 2w and 2w + 1 (fp8: word w, widened to two bf16 pairs) of step j·vc/4 + w hold the pairs at
-/// columns vc·(4j + t) + 4w + 2e (e = 0, 1): A's k slots 2t and 2t + 8. A dot product does not
-/// care how its columns are ordered, so the queries' fragments (B) only have to hold the same
-/// columns in the same slots, which stage_query_fragments arranges.
+/// read 64 contiguous bytes per j. Vector j feeds k-steps j·vc/4 on, 4 columns each: bf16 words 2w
+/// and 2w + 1 (fp8: word w, widened to two bf16 pairs) of step j·vc/4 + w hold the pairs at columns
+/// vc·(4j + t) + 4w + 2e (e = 0, 1): A's k slots 2t and 2t + 8. A dot product does not care how its
+/// columns are ordered, so the queries' fragments (B) only have to hold the same columns in the
+/// same slots, which stage_query_fragments arranges.
 template <typename read_t>
 __device__ __forceinline__ int mma_read_col(int step, int e, int t) {
   constexpr int vc = mma_vector_cols(int(sizeof(read_t))), spv = vc / 4;
@@ -490,7 +491,7 @@ __device__ __forceinline__ void mma_read_pairs(const uint4& v, int w, std::uint3
   }
 }
 
-/// Phase 3 of a verify window's reading step on the tensor cores: o_n[row] = S_read[row]·t_n +
+/// Phase 3 of a reading step on the tensor cores: o_n[row] = S_read[row]·t_n +
 /// the walks' ring part, every token n < T of the rows [row_begin, row_end) of a bf16 or fp8
 /// read copy (fp8: the row's scale applied to the product), each warp a 16-row tile at a time
 /// (all of it in one value head: V % 16 == 0). Each product is exact in the fp32 accumulator,
@@ -666,14 +667,14 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   constexpr bool kTcRead = reads_on_tensor_cores(P, kWindow);
   const bool tc_read = kTcRead && p.tc_read;
   if (T > 0) {
-    if constexpr (kStagedPasses) {
-      issue_pass(row_begin, pass_buf0);
-    } else if (tc_read) {
+    if (tc_read) {
       if (threadIdx.x == 0) {
         prefetch_l2(ck.read_row(row_begin),
                     std::uint32_t(min(kThreads / 2, row_end - row_begin) * K *
                                   int(sizeof(read_t))));
       }
+    } else if constexpr (kStagedPasses) {
+      issue_pass(row_begin, pass_buf0);
     } else {
       load_pass(row_begin);
     }
