@@ -124,6 +124,10 @@ std::vector<SideCase> side_cases() {
   serving("qwen4b_b64", 64, 1, CheckpointPrecision::kFp32Bf16);
   serving("qwen4b_b64", 64, 0, CheckpointPrecision::kFp32);
   serving("qwen4b_b64", 64, 0, CheckpointPrecision::kBf16);
+  // At kStagedMmaMinBatch (gdn_params.cuh) bf16 read copies' single-token steps are summed on
+  // the tensor cores (read_staged_mma), whose K = 128 variant only real shapes take.
+  serving("qwen4b_b128", 128, 1, CheckpointPrecision::kFp32Bf16);
+  serving("qwen4b_b128", 128, 0, CheckpointPrecision::kBf16);
   return out;
 }
 

@@ -124,6 +124,31 @@ constexpr int kPassPieces = kReplayRowBytes / 16;
 constexpr bool reads_on_tensor_cores(CheckpointPrecision p, bool window) {
   return window ? p != CheckpointPrecision::kFp32 : p == CheckpointPrecision::kFp32Fp8;
 }
+/// Whether single-token steps of a bf16 read copy (bf16 and fp32+bf16 checkpoints) sum their
+/// staged passes (stages_passes) on the tensor cores (gdn_replay.cu, read_staged_mma): each
+/// warp's 8 rows of a pass are the n columns of m16n8k16 products whose A rows are the walked
+/// query's bf16 hi part (row 0) and lo part (row 8), so one product gives both and no row is
+/// reduced across lanes: 100 instructions per warp and pass where the CUDA cores take 219.
+/// Plain caches only (a conv cache's instantiation keeps the CUDA cores), and from
+/// kStagedMmaMinBatch rows. At batch 256 a staggered step is bound by instruction issue (the
+/// folds' and the passes'), and there it pays; a small batch's step is the latency of each
+/// CTA's chain, which the products' dependent accumulations lengthen. qwen35-4b, L = 16, µs,
+/// CUDA cores → tensor cores (two rounds): staggered batch 256 bf16 126.9 → 122.4, fp32+bf16
+/// 132.9 → 127.8; 1024 501.4 → 495.4, 517.6 → 518.1; batch 64 45.3 → 46.0, 47.6 → 48.8; batch
+/// 1-16 +4-5%; aligned 256 127.8 → 130.3, 1024 505.5 → 535.8 (bf16).
+constexpr bool stages_on_tensor_cores(CheckpointPrecision p, bool window, bool conv) {
+  return !window && !conv &&
+         (p == CheckpointPrecision::kBf16 || p == CheckpointPrecision::kFp32Bf16);
+}
+constexpr int kStagedMmaMinBatch = 128;
+/// k-steps of a staged tensor-core read of K columns (each lane's four 16-byte vectors of a
+/// bf16 row feed two steps each), and the shared memory of its query fragments: per local
+/// value head, k-step and column lane t of the A rows 0 and 8, one 16-byte fragment, and one
+/// head's worth of zeros, which the lanes holding other A rows read.
+constexpr int staged_mma_steps(int K) { return 2 * ((K + 31) / 32); }
+constexpr int staged_mma_query_bytes(int G, int K) {
+  return (G + 1) * staged_mma_steps(K) * 4 * 16;
+}
 /// Columns of a 16-byte vector of a read copy of `read_bytes`-byte values, and the k-steps of
 /// 16 columns of a tensor-core read of K columns: each lane's vector feeds vector_cols / 4 of
 /// them, a row's four lanes 4·vector_cols columns.
@@ -235,8 +260,10 @@ struct ReplaySmem {
   int pass[2] = {0, 0};
   int bytes = 0;
 
-  /// Verify windows read on the tensor cores (reads_on_tensor_cores): the queries' fragments
-  /// (mma_query_bytes) over the staged records from key_bytes on, dead once the walks are done.
+  /// Reads on the tensor cores: the queries' fragments, over the staged records from key_bytes
+  /// on (dead once the walks are done) for a direct read (reads_on_tensor_cores,
+  /// mma_query_bytes), after the passes for a staged one (stages_on_tensor_cores,
+  /// staged_mma_query_bytes).
   int mma_query = 0;
 
   static ReplaySmem make(int T, int G, int K, int V, int records, int in_size, bool conv,
@@ -267,12 +294,17 @@ struct ReplaySmem {
       s.conv_q_bytes = (s.bytes + 15) / 16 * 16;
       s.bytes = s.conv_q_bytes + T * K * in_size;
     }
-    s.mma_query = s.key_bytes;
-    s.bytes = std::max(s.bytes, s.key_bytes + mma_query_bytes);
-    if (pass_bytes > 0) {
+    if (pass_bytes == 0) {
+      s.mma_query = s.key_bytes;
+      s.bytes = std::max(s.bytes, s.key_bytes + mma_query_bytes);
+    } else {
       s.pass[0] = (s.bytes + 15) / 16 * 16;
       s.pass[1] = s.pass[0] - s.key_bytes >= pass_bytes ? s.key_bytes : s.pass[0] + pass_bytes;
       s.bytes = std::max(s.pass[0], s.pass[1]) + pass_bytes;
+      // A staged tensor-core read's fragments live beside both passes, the second of which
+      // may lie over the records.
+      s.mma_query = (s.bytes + 15) / 16 * 16;
+      s.bytes = s.mma_query + mma_query_bytes;
     }
     return s;
   }

@@ -563,6 +563,127 @@ __device__ __forceinline__ void read_window_mma(const ReplayParams& p, const Che
   }
 }
 
+/// The query fragments of a staged tensor-core read (stages_on_tensor_cores; token 0, the
+/// only one of a single-token step), into the shared memory at p.smem.mma_query: per local
+/// value head, k-step and column lane t, the A registers of m16n8k16 rows 0 (the walked
+/// query's bf16 hi part) and 8 (its lo part, t − hi): {hi, lo} of columns c, c + 1, then of
+/// c + 2, c + 3, with c = 8·(4·(step / 2) + t) + 4·(step % 2), the columns whose state values a
+/// lane's 16-byte vector step / 2 holds for that step's B registers (read_staged_mma); then
+/// one head's worth of zeros (staged_mma_query_bytes).
+__device__ __forceinline__ void stage_step_fragments(const ReplayParams& p, int h_lo, int h_hi,
+                                                     unsigned char* smem) {
+  const int steps = staged_mma_steps(p.cache.dims.cols);
+  const float* s_f = reinterpret_cast<const float*>(smem);
+  auto* frags = reinterpret_cast<uint4*>(smem + p.smem.mma_query);
+  const int n = (h_hi - h_lo + 1) * steps * 4;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int t = i % 4, step = (i / 4) % steps, h = h_lo + i / (4 * steps);
+    const float* q = s_f + p.smem.tq + h * kMaxHeadKDim;  // zero past K
+    const int c = 8 * (4 * (step / 2) + t) + 4 * (step % 2);
+    std::uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x0 = q[c + 2 * e], x1 = q[c + 2 * e + 1];
+      const std::uint32_t hi = float2_to_bf16x2(x0, x1);
+      const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
+      w[2 * e] = hi;
+      w[2 * e + 1] = float2_to_bf16x2(x0 - h0, x1 - h1);
+    }
+    frags[(h * steps + step) * 4 + t] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  for (int i = threadIdx.x; i < steps * 4; i += blockDim.x) {  // the zeros past the G heads
+    frags[p.heads_per_key * steps * 4 + i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+/// One pass of a staged tensor-core read: warp w takes rows base + 8w .. base + 8w + 7, lane
+/// (g, t) copying its row's 16-byte vectors 4j + t (j < 4: a bf16 row of up to 128 columns)
+/// into its own pieces of `buf`, as the CUDA-core passes do (each lane reads back only what it
+/// copied: no barrier). `row` is the lane's row of this pass, `live` whether it is below the
+/// end. One cp.async group, empty past the end.
+template <typename read_t>
+__device__ __forceinline__ void issue_pass_mma(const read_t* row, bool live, int K,
+                                               unsigned char* buf) {
+  static_assert(sizeof(read_t) == 2, "a bf16 read copy: 8 values a vector");
+  const int t = threadIdx.x % 4;
+  if (live) {
+#pragma unroll
+    for (int j = 0; j < kPassPieces; ++j) {
+      const int c = 8 * (4 * j + t);
+      if (c < K) cp_async_16(buf + 16 * (kThreads * j + int(threadIdx.x)), row + c);
+    }
+  }
+  cp_async_commit();
+}
+
+/// Phase 3 of a single-token step over a bf16 read copy, on the tensor cores
+/// (stages_on_tensor_cores). The passes stream through the two staged buffers as on the CUDA
+/// cores (pass 0 is in buf0 already, issued by issue_pass_mma), 32 rows a pass, 8 a warp: those
+/// are the n columns of m16n8k16 products whose A rows 0 and 8 are the walked query's hi and
+/// lo parts (stage_step_fragments), so D[0][n] + D[8][n] is row n's product S_read[row]·t,
+/// exact in the fp32 accumulator up to hi + lo's 2^-16 of t. The 8 rows of a warp lie in one
+/// value head (V % 16 == 0 and passes start at multiples of 8 rows), and rows come in pairs
+/// below row_end. kFullRows: K = 128, every piece of a live row copied.
+template <bool kFullRows, typename input_t, CheckpointPrecision P>
+__device__ __forceinline__ void read_staged_mma(const ReplayParams& p, const CheckpointHead<P>& ck,
+                                                int row_begin, int row_end, input_t* out_rows,
+                                                unsigned char* buf0, unsigned char* buf1,
+                                                const unsigned char* smem) {
+  using read_t = typename CheckpointTypes<P>::read_t;
+  constexpr int kPassRows = 8 * kWarps;
+  const int K = kFullRows ? kMaxHeadKDim : p.cache.dims.cols;
+  const int G = p.heads_per_key;
+  const int steps = staged_mma_steps(K);
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float* s_f = reinterpret_cast<const float*>(smem);
+  // Lanes g > 0 read their (zero) A registers from the zero fragments past the G heads'.
+  const auto* frags = reinterpret_cast<const uint4*>(smem + p.smem.mma_query) +
+                      (g == 0 ? t : G * steps * 4 + t);
+  const int first = row_begin + 8 * int(threadIdx.x / 32);  // this warp's rows of pass 0
+  const read_t* lane_row = ck.read_row(min(first + g, row_end - 1));
+  const std::int64_t pass_elems = std::int64_t{kPassRows} * K;
+  issue_pass_mma(lane_row + pass_elems, first + kPassRows + g < row_end, K, buf1);
+  int pass = 0;
+  for (int base = row_begin; base < row_end; base += kPassRows, ++pass, lane_row += pass_elems) {
+    unsigned char* const buf = pass & 1 ? buf1 : buf0;
+    const int unit = base + 8 * int(threadIdx.x / 32);  // this warp's first row
+    cp_async_wait<1>();
+    // Pieces of rows past the end are stale but only feed their own (unstored) columns;
+    // those past K would meet the query's zeros, so they are zeroed.
+    uint4 v[kPassPieces];
+#pragma unroll
+    for (int j = 0; j < kPassPieces; ++j) {
+      v[j] = kFullRows || 8 * (4 * j + t) < K
+                 ? *reinterpret_cast<const uint4*>(buf + 16 * (kThreads * j + int(threadIdx.x)))
+                 : make_uint4(0u, 0u, 0u, 0u);
+    }
+    const int h = min(value_head(p, unit), G - 1);  // past the end: any head, nothing stored
+    const uint4* f = frags + h * steps * 4 * (g == 0);
+    float acc[4] = {};
+#pragma unroll
+    for (int step = 0; step < 2 * kPassPieces; ++step) {
+      if (!kFullRows && step >= steps) break;
+      const uint4 q = f[step * 4];
+      const std::uint32_t a[4] = {q.x, q.y, q.z, q.w};
+      const uint4& x = v[step / 2];
+      if (step % 2 == 0) {
+        mma_bf16(acc, a, x.x, x.y);
+      } else {
+        mma_bf16(acc, a, x.z, x.w);
+      }
+    }
+    // The products used the registers read from buf, so it takes the pass two ahead.
+    issue_pass_mma(lane_row + 2 * pass_elems, unit + 2 * kPassRows + g < row_end, K, buf);
+    const int r = unit + 2 * t;  // D[0][2t + e] + D[8][2t + e]: rows r and r + 1
+    if (g == 0 && r < row_end) {  // the ring part of token 0's output: oring + row
+      const float2 ring = *reinterpret_cast<const float2*>(s_f + p.smem.oring + r);
+      Packed<input_t, 2> out;
+      out.pack({ring.x + acc[0] + acc[2], ring.y + acc[1] + acc[3]});
+      out.store(out_rows + r);
+    }
+  }
+}
+
 /// kWindow: the instantiation for verify windows (T >= 2), with their own walk and output sums.
 template <typename input_t, CheckpointPrecision P, bool kConv, bool kWindow>
 __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
@@ -665,9 +786,16 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   // A tensor-core read (read_window_mma) loads its rows in its own layout: the first tile of
   // each warp is requested into L2 instead.
   constexpr bool kTcRead = reads_on_tensor_cores(P, kWindow);
-  const bool tc_read = kTcRead && p.tc_read;
+  // A staged tensor-core read (read_staged_mma) streams the same passes in its own layout.
+  constexpr bool kStagedMma = kStagedPasses && stages_on_tensor_cores(P, kWindow, kConv);
+  const bool tc_read = (kTcRead || kStagedMma) && p.tc_read;
   if (T > 0) {
-    if (tc_read) {
+    if (kStagedMma && tc_read) {
+      if constexpr (kStagedMma) {
+        const int r = row_begin + int(threadIdx.x / 4);  // read_staged_mma's rows of pass 0
+        issue_pass_mma(ck.read_row(min(r, row_end - 1)), r < row_end, K, pass_buf0);
+      }
+    } else if (tc_read) {
       if (threadIdx.x == 0) {
         prefetch_l2(ck.read_row(row_begin),
                     std::uint32_t(min(kThreads / 2, row_end - row_begin) * K *
@@ -741,6 +869,20 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
         stage_query_fragments<read_t>(p, h_lo, h_hi, smem);  // over the records, dead now
         __syncthreads();
         read_window_mma<input_t, P>(p, ck, row_begin, row_end, out_rows, smem);
+        return;
+      }
+    }
+    if constexpr (kStagedMma) {
+      if (tc_read) {
+        stage_step_fragments(p, h_lo, h_hi, smem);
+        __syncthreads();
+        if (K == kMaxHeadKDim) {
+          read_staged_mma<true, input_t, P>(p, ck, row_begin, row_end, out_rows, pass_buf0,
+                                            pass_buf1, smem);
+        } else {
+          read_staged_mma<false, input_t, P>(p, ck, row_begin, row_end, out_rows, pass_buf0,
+                                             pass_buf1, smem);
+        }
         return;
       }
     }
@@ -924,10 +1066,11 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 /// it and replay_smem() sizes that kernel's shared memory by it.
 bool takes_window_kernel(bool conv, int num_tokens) { return !conv && num_tokens >= 2; }
 /// Whether such a decode reads on the tensor cores (REPLAYSSM_TUNE_GDN_TC_READ aside): a
-/// precision and kernel that have the code (reads_on_tensor_cores), and value heads of whole
-/// 16-row tiles.
-bool tc_read_fits(CheckpointPrecision p, bool window, int head_v_dim) {
-  return reads_on_tensor_cores(p, window) && head_v_dim % 16 == 0;
+/// precision and kernel that have the code (reads_on_tensor_cores directly,
+/// stages_on_tensor_cores through the staged passes), and value heads of whole 16-row tiles.
+bool tc_read_fits(CheckpointPrecision p, bool window, bool conv, int head_v_dim) {
+  return (reads_on_tensor_cores(p, window) || stages_on_tensor_cores(p, window, conv)) &&
+         head_v_dim % 16 == 0;
 }
 
 template <typename input_t, CheckpointPrecision P>
@@ -953,9 +1096,13 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   static const int l2_passes = tuning_value("REPLAYSSM_TUNE_GDN_L2_PASSES", kL2PrefetchPasses);
   static const int l2_min_batch =
       tuning_value("REPLAYSSM_TUNE_GDN_L2_MIN_BATCH", kL2PrefetchMinBatch);
-  const bool window_kernel = takes_window_kernel(p.in.conv.in != nullptr, p.num_tokens);
+  const bool conv = p.in.conv.in != nullptr;
+  const bool window_kernel = takes_window_kernel(conv, p.num_tokens);
   static const bool tc_read = tuning_value("REPLAYSSM_TUNE_GDN_TC_READ", 1) != 0;
-  p.tc_read = tc_read && tc_read_fits(P, window_kernel, p.cache.dims.rows);
+  static const int staged_mma_min_batch =
+      tuning_value("REPLAYSSM_TUNE_GDN_STAGED_MMA_MIN_BATCH", kStagedMmaMinBatch);
+  p.tc_read = tc_read && tc_read_fits(P, window_kernel, conv, p.cache.dims.rows) &&
+              (!stages_on_tensor_cores(P, window_kernel, conv) || batch >= staged_mma_min_batch);
   // REPLAYSSM_TUNE_GDN_FOLD_PAIRS: 0 never, 1 the rule (folds_in_pairs), 2 every fold.
   static const int fold_pairs = tuning_value("REPLAYSSM_TUNE_GDN_FOLD_PAIRS", 1);
   p.fold_pairs = fold_pairs == 2 || (fold_pairs == 1 && folds_in_pairs(window_kernel, batch));
@@ -985,14 +1132,18 @@ ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
   const StateDims d = c.dims();
   const bool window = takes_window_kernel(c.conv_kernel > 0, num_tokens);
   const bool staged = num_tokens > 0 && stages_passes(c.checkpoint, window);
-  const bool tc_read = tc_read_fits(c.checkpoint, window, d.rows);
-  return ReplaySmem::make(num_tokens, d.heads_per_key(), d.cols, d.rows,
+  const bool conv = c.conv_kernel > 0;
+  const int G = d.heads_per_key();
+  int query_bytes = 0;
+  if (tc_read_fits(c.checkpoint, window, conv, d.rows)) {
+    query_bytes = stages_on_tensor_cores(c.checkpoint, window, conv)
+                      ? staged_mma_query_bytes(G, d.cols)
+                      : mma_query_bytes(G, d.cols, checkpoint_traits(c.checkpoint).read_bytes());
+  }
+  return ReplaySmem::make(num_tokens, G, d.cols, d.rows,
                           max_history(c.buffer_len, c.max_spec_tokens) + num_tokens,
-                          static_cast<int>(dtype_size(c.input_dtype)), c.conv_kernel > 0,
-                          staged ? kReplayPassBytes : 0,
-                          tc_read ? mma_query_bytes(d.heads_per_key(), d.cols,
-                                                    checkpoint_traits(c.checkpoint).read_bytes())
-                                  : 0);
+                          static_cast<int>(dtype_size(c.input_dtype)), conv,
+                          staged ? kReplayPassBytes : 0, query_bytes);
 }
 
 Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t stream) {
