@@ -791,7 +791,7 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   const bool tc_read = (kTcRead || kStagedMma) && p.tc_read;
   if (T > 0) {
     if (kStagedMma && tc_read) {
-      if constexpr (kStagedMma) {
+      if constexpr (kStagedMma) {  // issue_pass_mma exists for bf16 read copies only
         const int r = row_begin + int(threadIdx.x / 4);  // read_staged_mma's rows of pass 0
         issue_pass_mma(ck.read_row(min(r, row_end - 1)), r < row_end, K, pass_buf0);
       }
@@ -1130,9 +1130,9 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
 
 ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
   const StateDims d = c.dims();
-  const bool window = takes_window_kernel(c.conv_kernel > 0, num_tokens);
-  const bool staged = num_tokens > 0 && stages_passes(c.checkpoint, window);
   const bool conv = c.conv_kernel > 0;
+  const bool window = takes_window_kernel(conv, num_tokens);
+  const bool staged = num_tokens > 0 && stages_passes(c.checkpoint, window);
   const int G = d.heads_per_key();
   int query_bytes = 0;
   if (tc_read_fits(c.checkpoint, window, conv, d.rows)) {
