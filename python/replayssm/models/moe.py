@@ -1,0 +1,91 @@
+"""Routed experts of mixture-of-experts MLPs (Nemotron-H's ``E`` layers, Qwen3.5-MoE's sparse
+blocks): each token's hidden state goes through its ``k`` chosen experts and the results are
+summed with the router's weights. Routing (which experts, what weights) is each family's own;
+this module runs the experts once they are chosen.
+
+The experts' weights are stacked as transformers (5.17) holds them: ``up`` [E, U, H] (U = I, or
+2I for gated experts: the gate's rows, then the up projection's) and ``down`` [E, H, I].
+
+The tokens' (token, expert) pairs are sorted by expert and multiplied by each expert's weights
+in one grouped matrix product per projection (PyTorch's ``torch.nn.functional.grouped_mm``): the
+group ends are computed on the device, so a decode step that routes stays capturable in a CUDA
+graph, and each expert's weights are read once per step however many tokens chose it. Where
+PyTorch has no grouped product for the tensors at hand (an older PyTorch, or a dtype its device
+kernel lacks) the same sums run one expert at a time, which synchronises on the group sizes.
+
+A token's k results are summed in its routing slots' order (in ``accumulate`` dtype), without
+atomic adds, so a step gives the same bits run after run; transformers sums them by expert with
+``index_add_``, the same terms in another order (within the dtype's rounding). As with any matrix
+product, the rounding of a token's products may vary with how many rows share its group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ACTIVATIONS", "routed_experts"]
+
+#: The experts' activations: ``relu2`` relu(u)^2 (Nemotron-H, not gated); ``swiglu``
+#: silu(gate) * up (Qwen3.5-MoE, gated: ``up`` holds the gate's rows first).
+ACTIVATIONS = ("relu2", "swiglu")
+
+
+def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu2":
+        return torch.relu(h).square()
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether PyTorch's grouped product takes these tensors: present (2.10+), and on a GPU
+    in bf16 (its CUDA kernel's dtype); on the CPU in any floating dtype."""
+    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
+        return False
+    return x.device.type == "cpu" or x.dtype == torch.bfloat16
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [P, in] sorted by expert, expert e's rows ending at ``ends[e]``, each times
+    its expert's ``weight[e]`` [out, in] transposed: [P, out]."""
+    if _grouped_mm_fits(x, weight):
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    begin = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > begin:
+            out[begin:end] = F.linear(x[begin:end], weight[e])
+        begin = end
+    return out
+
+
+def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                   up: torch.Tensor, down: torch.Tensor, activation: str,
+                   accumulate: torch.dtype | None = None) -> torch.Tensor:
+    """sum_j expert_weights[t, j] * down[e] @ act(up[e] @ x[t]), e = expert_ids[t, j], for
+    each token t of ``x`` [T, H]; ``expert_ids`` [T, k] (integers below E), ``expert_weights``
+    [T, k]. Each product is rounded to ``x``'s dtype (as transformers' experts' are), weighted
+    and summed in ``accumulate`` (default: ``x``'s dtype), and returned in ``x``'s dtype."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+    T, H = x.shape
+    E = up.shape[0]
+    if expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != T:
+        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} and expert_weights "
+                         f"{tuple(expert_weights.shape)} must both be [{T}, k]")
+    k = expert_ids.shape[1]
+    accumulate = accumulate or x.dtype
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)        # pairs by expert, tokens in order within
+    # Group ends from counts, on the device (no host synchronisation in a captured step).
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    rows = x[order // k]                            # [T*k, H], sorted by expert
+    h = _activate(_grouped_linear(rows, up, ends), activation)
+    y = _grouped_linear(h, down, ends)              # [T*k, H], rounded to x's dtype
+    weighted = y.to(accumulate) * expert_weights.reshape(-1)[order, None].to(accumulate)
+    pairs = torch.empty_like(weighted)
+    pairs[order] = weighted                         # back to (token, slot) order
+    return pairs.view(T, k, H).sum(dim=1).to(x.dtype)
