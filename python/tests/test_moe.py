@@ -1,6 +1,6 @@
 """Routed experts (replayssm.models.moe) against a float64 loop over tokens and their chosen
 experts: both activations, fp32 and bf16, through PyTorch's grouped product and through the
-one-expert-at-a-time path that replaces it where it is missing; experts no token chose; a
+every-expert-on-every-row path that replaces it where it does not apply; experts no token chose; a
 token's output alone and in a batch; the same bits run after run.
 
 Tolerances: fp32 agrees to float32 rounding of sums of H and I terms (1e-5 relative to the
@@ -45,7 +45,7 @@ def _oracle(x, ids, weights, up, down, activation):
     return out
 
 
-@pytest.fixture(params=["grouped", "per_expert"])
+@pytest.fixture(params=["grouped", "every_expert"])
 def path(request, monkeypatch):
     if request.param == "grouped":
         if not hasattr(torch.nn.functional, "grouped_mm"):
@@ -84,3 +84,24 @@ def test_refuses_bad_arguments():
         moe.routed_experts(x, ids, weights, up, down, "gelu")
     with pytest.raises(ValueError, match="expert_ids"):
         moe.routed_experts(x, ids[:, :2], weights, up, down, "relu2")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routing_captured_in_a_cuda_graph_follows_new_choices(dtype):
+    """bf16 takes the grouped product, fp32 the every-expert path: both must capture (no host
+    synchronisation) and, replayed with other choices, equal an eager call."""
+    x, ids, weights, up, down = (t.cuda() for t in _case(T=16, H=64, I=32, E=8, k=2,
+                                                          activation="swiglu", dtype=dtype))
+    moe.routed_experts(x, ids, weights, up, down, "swiglu")  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.routed_experts(x, ids, weights, up, down, "swiglu")
+    for shift in (1, 3):
+        ids.copy_((ids + shift) % 8)
+        graph.replay()
+        assert torch.equal(out, moe.routed_experts(x, ids, weights, up, down, "swiglu"))

@@ -10,8 +10,10 @@ The tokens' (token, expert) pairs are sorted by expert and multiplied by each ex
 in one grouped matrix product per projection (PyTorch's ``torch.nn.functional.grouped_mm``): the
 group ends are computed on the device, so a decode step that routes stays capturable in a CUDA
 graph, and each expert's weights are read once per step however many tokens chose it. Where
-PyTorch has no grouped product for the tensors at hand (an older PyTorch, or a dtype its device
-kernel lacks) the same sums run one expert at a time, which synchronises on the group sizes.
+PyTorch has no grouped product for the tensors at hand (an older PyTorch, or fp32 on a GPU,
+whose kernel takes bf16) every expert multiplies every row and each row keeps its own
+expert's product: E times the arithmetic, but still no host synchronisation, so a test model
+in fp32 captures as a served one does.
 
 A token's k results are summed in its routing slots' order (in ``accumulate`` dtype), without
 atomic adds, so a step gives the same bits run after run; transformers sums them by expert with
@@ -46,17 +48,15 @@ def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.device.type == "cpu" or x.dtype == torch.bfloat16
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` [P, in] sorted by expert, expert e's rows ending at ``ends[e]``, each times
-    its expert's ``weight[e]`` [out, in] transposed: [P, out]."""
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                    row_experts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [P, in] sorted by expert (row i's is ``row_experts[i]``; expert e's rows
+    end at ``ends[e]``), each times its expert's ``weight[e]`` [out, in] transposed: [P, out]."""
     if _grouped_mm_fits(x, weight):
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
-    out = x.new_empty(x.shape[0], weight.shape[1])
-    begin = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > begin:
-            out[begin:end] = F.linear(x[begin:end], weight[e])
-        begin = end
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    for e in range(weight.shape[0]):
+        out = torch.where(row_experts[:, None] == e, F.linear(x, weight[e]), out)
     return out
 
 
@@ -83,8 +83,9 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: to
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
     rows = x[order // k]                            # [T*k, H], sorted by expert
-    h = _activate(_grouped_linear(rows, up, ends), activation)
-    y = _grouped_linear(h, down, ends)              # [T*k, H], rounded to x's dtype
+    row_experts = flat[order]
+    h = _activate(_grouped_linear(rows, up, ends, row_experts), activation)
+    y = _grouped_linear(h, down, ends, row_experts)  # [T*k, H], rounded to x's dtype
     weighted = y.to(accumulate) * expert_weights.reshape(-1)[order, None].to(accumulate)
     pairs = torch.empty_like(weighted)
     pairs[order] = weighted                         # back to (token, slot) order
