@@ -148,6 +148,14 @@ def check_rows_independent(model, prompts, device, steps: int = 12) -> None:
     """Row 0 (slot 0) beside different sequences and pad rows, in two caches, the second
     joined by a sequence after 5 steps (staggered start): bit-identical logits at every step,
     across folds (buffer length 4). ``prompts``: four int64 prompts on ``device``."""
+    runs = row0_beside_other_rows(model, prompts, device, steps)
+    assert torch.equal(runs[0], runs[1])
+
+
+def row0_beside_other_rows(model, prompts, device, steps: int = 12):
+    """check_rows_independent's two runs of row 0's step logits ([steps, vocab] each), for a
+    test that compares them otherwise (a mixture-of-experts model, whose experts' grouped
+    products round a row according to the other rows that share its experts)."""
     from replayssm.models import ServingCache
 
     runs = []
@@ -169,4 +177,4 @@ def check_rows_independent(model, prompts, device, steps: int = 12) -> None:
             row0.append(out[0])
             tokens = out.argmax(-1)
         runs.append(torch.stack(row0))
-    assert torch.equal(runs[0], runs[1])
+    return runs

@@ -56,13 +56,22 @@ def run_err(got, ref):
 
 
 def hf_twin(model):
-    """transformers' Qwen3_5ForCausalLM with ``model``'s weights, device and dtype."""
+    """transformers' Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM for a MoE config) with
+    ``model``'s weights, device and dtype."""
     transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-        pytest.skip("this transformers has no Qwen3_5ForCausalLM")
+    moe = isinstance(model.config, qw.Qwen35MoeConfig)
+    cls, config_cls = (("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig") if moe else
+                       ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"))
+    if not hasattr(transformers, cls):
+        pytest.skip(f"this transformers has no {cls}")
     d = model.config.to_hf()
     del d["model_type"], d["architectures"]
-    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**d))
+    config = getattr(transformers, config_cls)(**d)
+    if moe:
+        # The experts class's own loop (one expert at a time, summed in the activations'
+        # dtype), not whichever kernel the installed PyTorch lets transformers pick.
+        config._experts_implementation = "eager"
+    hf = getattr(transformers, cls)(config)
     missing, unexpected = hf.load_state_dict(
         {k: v.float().cpu() for k, v in model.state_dict().items()}, strict=False)
     assert not missing and not unexpected, (missing, unexpected)

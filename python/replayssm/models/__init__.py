@@ -31,6 +31,8 @@ FAMILIES = {
     "nemotron_h": "nemotron_h:NemotronHModel",
     "qwen3_5_text": "qwen3_5:Qwen35Model",  # what Qwen3_5ForCausalLM.save_pretrained writes
     "qwen3_5": "qwen3_5:Qwen35Model",  # the published checkpoints (text tower under text_config)
+    "qwen3_5_moe_text": "qwen3_5:Qwen35MoeModel",  # Qwen3_5MoeForCausalLM.save_pretrained
+    "qwen3_5_moe": "qwen3_5:Qwen35MoeModel",  # the published Qwen3.5-MoE checkpoints
 }
 
 

@@ -1,6 +1,9 @@
 """The Qwen3.5 family: Gated DeltaNet mixers with a gated full-attention layer every few layers,
 each followed by a SwiGLU MLP — the computation of transformers' ``Qwen3_5ForCausalLM``, with
-its weight names, served from a :class:`ServingCache`.
+its weight names, served from a :class:`ServingCache` — and Qwen3.5-MoE
+(``Qwen3_5MoeForCausalLM``: Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B), the same layers with a
+sparse block as every MLP (:class:`Qwen35MoeConfig`, :class:`Qwen35MoeModel`). Norms, mixers
+and rotary are the same in both (transformers' MoE classes compute them identically).
 
 One decoder layer (pre-norm, residual around the mixer and around the MLP)::
 
@@ -20,6 +23,13 @@ One decoder layer (pre-norm, residual around the mixer and around the MLP)::
   scale head_dim ** -0.5; output * sigmoid(gate); ``o_proj``. The checkpoint's rotary is
   interleaved M-RoPE over (temporal, height, width) sections; text tokens carry the same
   position in all three, so it reduces to plain RoPE with the same inverse frequencies.
+* Sparse block (MoE ``mlp``): router ``gate`` (linear, no bias) -> softmax in fp32 -> top
+  ``num_experts_per_tok`` -> weights divided by their sum -> rounded to the activations'
+  dtype; the chosen experts (SwiGLU, ``experts.gate_up_proj`` [E, 2I, H], ``down_proj``
+  [E, H, I]) through :func:`replayssm.models.moe.routed_experts`, weighted and summed in the
+  activations' dtype; plus ``shared_expert`` (a SwiGLU MLP) times
+  sigmoid(``shared_expert_gate`` x). Checkpoints with the experts stored one by one (what
+  ``save_pretrained`` writes) are stacked on load.
 
 The recurrent state of a GDN layer is carried as the library holds it, ``[num_v_heads,
 head_v_dim, head_k_dim]`` (transformers keeps its transpose). Prefill runs the chunked form of
@@ -35,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -45,10 +56,13 @@ import replayssm
 
 from . import fused
 from .merged import MergedLinear
+from .moe import routed_experts
 from .base import (CacheLayout, DecodeContext, HybridModel, PrefillContext, ServingCache,
                    causal_attention)
 
-__all__ = ["Qwen35Config", "Qwen35Model", "gated_delta_chunked", "QWEN35_4B", "tiny_config"]
+__all__ = ["Qwen35Config", "Qwen35Model", "Qwen35MoeConfig", "Qwen35MoeModel",
+           "gated_delta_chunked", "QWEN35_4B", "QWEN35_MOE_35B_A3B", "tiny_config",
+           "tiny_moe_config"]
 
 LINEAR, FULL = "linear_attention", "full_attention"
 #: Where a published Qwen3.5 checkpoint (the multimodal model) keeps the text decoder.
@@ -90,6 +104,10 @@ class Qwen35Config:
     #: config.json's model_type of the text tower (what ``Qwen3_5ForCausalLM`` saves); the
     #: published checkpoints' ``qwen3_5`` wraps it in ``text_config``.
     model_type: ClassVar[str] = "qwen3_5_text"
+    #: Every model_type a config.json of this layout may carry (the text tower's, the published
+    #: wrapper's), and the class to_hf names in ``architectures``.
+    hf_model_types: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5")
+    architecture: ClassVar[str] = "Qwen3_5ForCausalLM"
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -153,9 +171,16 @@ class Qwen35Config:
     # ---- Hugging Face config.json -------------------------------------------------------
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Qwen35Config":
-        """From a config.json dict: ``qwen3_5_text`` (what ``Qwen3_5ForCausalLM`` saves) or
-        ``qwen3_5`` (the published checkpoints: the text tower under ``text_config``)."""
+        """From a config.json dict of one of ``hf_model_types``: the text tower's (what
+        ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` saves) or the published checkpoints'
+        (the text tower under ``text_config``). Refuses another model_type (a MoE layout read
+        as a dense one, or the reverse) by name."""
         text = dict(config.get("text_config") or config)
+        for declared in sorted({config.get("model_type"), text.get("model_type")} - {None}):
+            if declared not in cls.hf_model_types:
+                raise ValueError(f"model_type {declared!r} is not a {cls.__name__} layout "
+                                 f"({', '.join(cls.hf_model_types)}); models.load picks the "
+                                 f"family by model_type")
         rope = dict(text.get("rope_parameters") or {})
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default'")
@@ -174,20 +199,73 @@ class Qwen35Config:
         return cls(**kw)
 
     def to_hf(self) -> dict[str, Any]:
-        """The ``qwen3_5_text`` config.json dict of this layout (what transformers'
-        ``Qwen3_5TextConfig(**d)`` takes)."""
+        """The config.json dict of this layout, of the text tower's model_type (what
+        transformers' ``Qwen3_5TextConfig(**d)``, or ``Qwen3_5MoeTextConfig(**d)``, takes)."""
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         d.pop("full_attention_interval")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
                                 "partial_rotary_factor": d.pop("partial_rotary_factor"),
                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}
-        d["model_type"] = "qwen3_5_text"
-        d["architectures"] = ["Qwen3_5ForCausalLM"]
+        d["model_type"] = self.model_type
+        d["architectures"] = [self.architecture]
         return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf(), indent=2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen35MoeConfig(Qwen35Config):
+    """The text tower of a Qwen3.5-MoE checkpoint (transformers' ``Qwen3_5MoeTextConfig``):
+    Qwen3.5's layers with every MLP a sparse block of ``num_experts`` routed experts (each a
+    SwiGLU MLP of ``moe_intermediate_size``; a token takes ``num_experts_per_tok`` of them) and
+    one shared expert of ``shared_expert_intermediate_size``. Defaults are transformers' (the
+    Qwen3.5-35B-A3B numbers), for a config.json that leaves a field out.
+    :data:`QWEN35_MOE_35B_A3B` is that layout; :func:`tiny_moe_config` gives test-sized ones."""
+
+    #: Unused: no layer has a dense MLP (transformers' MoE config has no such field); kept only
+    #: when a config.json carries it.
+    intermediate_size: int | None = None
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+
+    model_type: ClassVar[str] = "qwen3_5_moe_text"
+    hf_model_types: ClassVar[tuple[str, ...]] = ("qwen3_5_moe_text", "qwen3_5_moe")
+    architecture: ClassVar[str] = "Qwen3_5MoeForCausalLM"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts {self.num_experts}: a sparse block needs experts")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                             f"[1, num_experts = {self.num_experts}]")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be positive (every "
+                                 f"Qwen3.5-MoE layer has routed experts and a shared expert)")
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "Qwen35MoeConfig":
+        """As :meth:`Qwen35Config.from_hf`; also refuses the Qwen3-Next routing options that
+        Qwen3.5-MoE dropped (transformers' Qwen3.5-MoE renormalises the top-k weights and has
+        a sparse block in every layer) when a config.json sets them otherwise."""
+        text = config.get("text_config") or config
+        if not text.get("norm_topk_prob", True):
+            raise ValueError("norm_topk_prob false: Qwen3.5-MoE renormalises the top-k weights")
+        if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("mlp_only_layers / decoder_sparse_step: Qwen3.5-MoE has a sparse "
+                             "block in every layer")
+        return super().from_hf(config)
+
+    def to_hf(self) -> dict[str, Any]:
+        d = super().to_hf()
+        if d["intermediate_size"] is None:
+            del d["intermediate_size"]
+        return d
 
 
 #: The Qwen3.5-4B layout (the layer benchmark's ``qwen35-4b`` GDN shape: 16 key heads, 32 value
@@ -226,6 +304,43 @@ def tiny_config(**overrides: Any) -> Qwen35Config:
         tie_word_embeddings=False)
     kw.update(overrides)
     return Qwen35Config(**kw)
+
+
+#: The Qwen3.5-35B-A3B layout (Qwen3.5-MoE; also Qwen3.6-35B-A3B's, which shares the
+#: architecture). Numbers: the ``text_config`` of Qwen/Qwen3.5-35B-A3B's config.json on the
+#: Hugging Face Hub, as public tooling reproduces it (THUDM/slime
+#: scripts/models/qwen3.5-35B-A3B.sh, derived from that file, and configs copied from it in
+#: other public test suites): hidden_size 2048, 40 layers, three linear_attention then one
+#: full_attention, ten times (full at 3, 7, ..., 39); attention 16 heads, 2 KV heads,
+#: head_dim 256, no bias, output gate; GDN 16 key heads, 32 value heads, K = V = 128, conv
+#: kernel 4; 256 experts, 8 per token, moe_intermediate_size 512, one shared expert of 512
+#: with its sigmoid gate; rms_norm_eps 1e-6; rope_theta 1e7, partial_rotary_factor 0.25
+#: (M-RoPE sections [11, 11, 10]); vocab 248320; tie_word_embeddings false (slime's
+#: --untie-embeddings-and-output-weights); max_position_embeddings 262144 (the model card's
+#: native context; the one number not read from a copy of the file itself).
+#: transformers' Qwen3_5MoeTextConfig defaults agree on every MoE field and on hidden_size,
+#: layers, heads and vocab. As for the 4B, the MTP head and the vision tower are left out.
+QWEN35_MOE_35B_A3B = Qwen35MoeConfig(
+    vocab_size=248_320, hidden_size=2048, num_hidden_layers=40,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    rms_norm_eps=1e-6, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+    max_position_embeddings=262_144, tie_word_embeddings=False)
+
+
+def tiny_moe_config(**overrides: Any) -> Qwen35MoeConfig:
+    """:func:`tiny_config`'s layout with sparse blocks: 8 experts, 3 per token (so a token's
+    choice varies and some experts go unchosen in a step), expert and shared-expert widths
+    that differ from each other and from the hidden size."""
+    kw = dataclasses.asdict(tiny_config())
+    del kw["intermediate_size"]
+    kw.update(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+              shared_expert_intermediate_size=40)
+    kw.update(overrides)
+    return Qwen35MoeConfig(**kw)
 
 
 # ---- the chunked gated delta rule (prefill) ----------------------------------------------------
@@ -345,13 +460,18 @@ class _GatedRMSNorm(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, c: Qwen35Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+    """The SwiGLU MLP: a dense layer's (``intermediate_size``) or a sparse block's shared
+    expert (``shared_expert_intermediate_size``), whose gate and up projections the block
+    merges with its own (``merged=False``)."""
 
-        self._gate_up = MergedLinear(self.gate_proj, self.up_proj)
+    def __init__(self, c: Qwen35Config, width: int | None = None, merged: bool = True) -> None:
+        super().__init__()
+        width = width or c.intermediate_size
+        self.gate_proj = nn.Linear(c.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, c.hidden_size, bias=False)
+        if merged:
+            self._gate_up = MergedLinear(self.gate_proj, self.up_proj)
 
     @staticmethod
     def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -361,6 +481,55 @@ class _MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(*self._gate_up(x)))
+
+
+class _Experts(nn.Module):
+    """The routed experts' weights, stacked as transformers holds them: ``gate_up_proj``
+    [E, 2I, H] (each expert's gate rows, then its up rows), ``down_proj`` [E, H, I]."""
+
+    def __init__(self, c: Qwen35MoeConfig) -> None:
+        super().__init__()
+        E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+class _SparseMoe(nn.Module):
+    """Qwen3.5-MoE's MLP: the router (``gate``) picks each token's top-k experts, whose outputs
+    are summed with the renormalised router weights, plus the shared expert scaled by
+    sigmoid(``shared_expert_gate`` x).
+
+    Routing as transformers rounds it: logits in the activations' dtype, softmax in fp32, top-k,
+    the k weights divided by their sum, then rounded to the activations' dtype. The experts run
+    in :func:`replayssm.models.moe.routed_experts`, whose sum accumulates in the activations'
+    dtype as transformers' does. Everything is device-side (topk, no host reads), so a decode
+    step stays capturable. The router, the shared expert's gate and its gate and up
+    projections all read x: one GEMM (a decode step's four projections in one launch)."""
+
+    def __init__(self, c: Qwen35MoeConfig) -> None:
+        super().__init__()
+        self.top_k = c.num_experts_per_tok
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = _Experts(c)
+        self.shared_expert = _MLP(c, c.shared_expert_intermediate_size, merged=False)
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+        self._in_proj = MergedLinear(self.gate, self.shared_expert_gate,
+                                     self.shared_expert.gate_proj, self.shared_expert.up_proj)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (expert ids [T, k], weights [T, k] in the logits' dtype)."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        return ids, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits, shared_gate, gate, up = self._in_proj(flat)
+        ids, weights = self.route(logits)
+        routed = routed_experts(flat, ids, weights, self.experts.gate_up_proj,
+                                self.experts.down_proj, "swiglu")
+        shared = self.shared_expert.down_proj(_MLP.activation(gate, up))
+        return (routed + torch.sigmoid(shared_gate) * shared).view_as(x)
 
 
 class _GatedDeltaNet(nn.Module):
@@ -525,7 +694,7 @@ class _DecoderLayer(nn.Module):
             self.linear_attn = _GatedDeltaNet(c)
         else:
             self.self_attn = _Attention(c)
-        self.mlp = _MLP(c)
+        self.mlp = _SparseMoe(c) if isinstance(c, Qwen35MoeConfig) else _MLP(c)
         self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -574,7 +743,9 @@ class Qwen35Model(HybridModel):
         fp32 on ``device`` and rounded to ``dtype``, scaled so activations stay O(1) through a
         small model (weights N(0, 1 / fan_in), embeddings N(0, 1)); the parameters
         transformers initialises to constants are drawn around them (norm weights, dt_bias) so
-        that a test sees each one used; A uniform in [0.01, 16] as transformers draws it."""
+        that a test sees each one used; A uniform in [0.01, 16] as transformers draws it. A
+        sparse block's router draws like any projection, so its logits are O(1) and tokens
+        choose different experts."""
         config = cls._config(config)
         model = cls._empty(config, device, dtype)
         gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
@@ -599,8 +770,8 @@ class Qwen35Model(HybridModel):
                 values = normal(p.shape, p.shape[-1] ** -0.5)
             elif name.endswith("embed_tokens.weight"):
                 values = normal(p.shape, 1.0)
-            else:                                             # Linear [out, in]
-                values = normal(p.shape, p.shape[1] ** -0.5)
+            else:                               # Linear [out, in]; experts [E, out, in]
+                values = normal(p.shape, p.shape[-1] ** -0.5)
             p.copy_(values)
         return model
 
@@ -648,3 +819,66 @@ class Qwen35Model(HybridModel):
             h, x = layer.post_attention_layernorm.add(h, delta)
             delta = layer.mlp(x)
         return self.lm_head(self.model.norm.add(h, delta)[1])
+
+
+class Qwen35MoeModel(Qwen35Model):
+    """A Qwen3.5-MoE text decoder (``Qwen3_5MoeForCausalLM``'s computation and weight names):
+    :class:`Qwen35Model` with a sparse block (:class:`_SparseMoe`) as every layer's MLP.
+
+    Checkpoints hold the routed experts either stacked (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I], as transformers holds them) or one expert at a time
+    (``mlp.experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj`` [H, I]: what
+    ``save_pretrained`` writes, undoing transformers' load-time merge); the latter are stacked
+    here before the names and shapes are checked."""
+
+    config_class = Qwen35MoeConfig
+
+    @classmethod
+    def from_tensors(cls, config: Any, tensors: dict[str, torch.Tensor], device: Any = "cpu",
+                     dtype: torch.dtype = torch.float32) -> "Qwen35MoeModel":
+        return super().from_tensors(config, _stack_experts(config, tensors, cls.ignored_tensors),
+                                    device=device, dtype=dtype)
+
+
+#: A per-expert checkpoint tensor: (the layer's ``...mlp.experts`` prefix, expert, projection).
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _stack_experts(c: Qwen35MoeConfig, tensors: dict[str, torch.Tensor],
+                   ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """``tensors`` with each layer's per-expert tensors replaced by the stacked pair
+    (``gate_up_proj``: the experts' gate rows then their up rows; ``down_proj``). Refuses,
+    by name, a missing, mis-shaped or surplus expert tensor, or a layer holding both forms.
+    Names under an ``ignored`` prefix (the MTP head's own experts) pass through unstacked."""
+    E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+    shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    layers: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        m = None if name.startswith(ignored) else _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        if e >= E:
+            raise ValueError(f"unexpected tensor {name}: expert {e} of {E} (num_experts)")
+        if tuple(t.shape) != shapes[proj]:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected "
+                             f"{shapes[proj]}")
+        layers.setdefault(prefix, {})[e, proj] = t
+    for prefix, parts in layers.items():
+        for e in range(E):
+            for proj in shapes:
+                if (e, proj) not in parts:
+                    raise ValueError(f"missing tensor {prefix}.{e}.{proj}.weight")
+        for stacked in ("gate_up_proj", "down_proj"):
+            if f"{prefix}.{stacked}" in out:
+                raise ValueError(f"{prefix} holds both {prefix}.{stacked} and per-expert "
+                                 f"tensors: one form only")
+
+        def stack(proj: str) -> torch.Tensor:
+            return torch.stack([parts[e, proj] for e in range(E)])
+
+        out[f"{prefix}.gate_up_proj"] = torch.cat((stack("gate_proj"), stack("up_proj")), 1)
+        out[f"{prefix}.down_proj"] = stack("down_proj")
+    return out
