@@ -144,18 +144,12 @@ def check_captured_step(model, prompts, steps: int = 12) -> None:
         tokens = ref.argmax(-1)
 
 
-def check_rows_independent(model, prompts, device, steps: int = 12) -> None:
+def check_rows_independent(model, prompts, device, steps: int = 12, tol: float = 0.0) -> None:
     """Row 0 (slot 0) beside different sequences and pad rows, in two caches, the second
     joined by a sequence after 5 steps (staggered start): bit-identical logits at every step,
-    across folds (buffer length 4). ``prompts``: four int64 prompts on ``device``."""
-    runs = row0_beside_other_rows(model, prompts, device, steps)
-    assert torch.equal(runs[0], runs[1])
-
-
-def row0_beside_other_rows(model, prompts, device, steps: int = 12):
-    """check_rows_independent's two runs of row 0's step logits ([steps, vocab] each), for a
-    test that compares them otherwise (a mixture-of-experts model, whose experts' grouped
-    products round a row according to the other rows that share its experts)."""
+    across folds (buffer length 4). ``prompts``: four int64 prompts on ``device``. With
+    ``tol``, logits within ``tol`` (rel_err) instead: for models whose matrix products round a
+    row differently with the number of rows beside it (grouped expert products)."""
     from replayssm.models import ServingCache
 
     runs = []
@@ -177,4 +171,7 @@ def row0_beside_other_rows(model, prompts, device, steps: int = 12):
             row0.append(out[0])
             tokens = out.argmax(-1)
         runs.append(torch.stack(row0))
-    return runs
+    if tol:
+        assert rel_err(runs[0], runs[1]) <= tol
+    else:
+        assert torch.equal(runs[0], runs[1])

@@ -32,11 +32,18 @@ def prompts(device, seed=5, lengths=PROMPT_LENGTHS, vocab=128):
 
 
 def hf_twin(model):
-    """transformers' NemotronHForCausalLM with ``model``'s weights, device and dtype."""
+    """transformers' NemotronHForCausalLM with ``model``'s weights, device and dtype. MoE
+    layers run transformers' eager experts (its reference loop: products in the model's dtype,
+    weighted sums in fp32), and their score-correction bias stays fp32, as transformers'
+    from_pretrained keeps it (a plain .to(dtype) would round it)."""
     transformers = pytest.importorskip("transformers")
     w = model.lm_head.weight
-    hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**model.config.to_hf()))
+    hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        **model.config.to_hf(), experts_implementation="eager"))
     hf = hf.to(device=w.device, dtype=w.dtype).eval()
+    for module in hf.modules():
+        if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor):
+            module.e_score_correction_bias = module.e_score_correction_bias.float()
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     return hf
@@ -53,8 +60,13 @@ def test_prefill_and_64_decode_steps_match_transformers(where):
     """Eager fp32 state: the prompt's logits, then 64 greedy steps (transformers' tokens fed to
     both), each step's logits against transformers' cached decoding."""
     device, dtype = where
+    check_matches_transformers(tiny_model(device, dtype))
+
+
+def check_matches_transformers(model, steps=64):
+    """``model`` against hf_twin(model): a prompt's logits, then ``steps`` greedy steps."""
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     tol = 1e-5 if dtype == torch.float32 else mu.BF16_ACTIVATIONS_TOLERANCE
-    model = tiny_model(device, dtype)
     hf = hf_twin(model)
     prompt = prompts(device)[0]
     with torch.no_grad():
@@ -64,14 +76,14 @@ def test_prefill_and_64_decode_steps_match_transformers(where):
     assert mu.rel_err(model.prefill(cache, slot, prompt), out.logits[0]) <= tol
     past, token = out.past_key_values, out.logits[0, -1].argmax()
     ids = int32([slot], device)
-    for step in range(64):
+    for step in range(steps):
         with torch.no_grad():
             out = hf(token.view(1, 1), past_key_values=past, use_cache=True)
         past, ref = out.past_key_values, out.logits[0, -1]
         err = mu.rel_err(model.step(cache, ids, token.view(1)), ref[None])
         assert err <= tol, f"step {step}: {err:.3g} > {tol}"
         token = ref.argmax()
-    assert int(cache.lengths[slot]) == prompt.numel() + 64
+    assert int(cache.lengths[slot]) == prompt.numel() + steps
 
 
 def test_chunked_scan_equals_the_recurrence():
@@ -123,7 +135,12 @@ def test_state_modes_match_eager_fp32(where, mode):
     """Each mode against eager fp32 on the same tokens, 48 steps: with buffer length 4 every row
     folds 12 times, at steps that differ by row."""
     device, dtype = where
-    model = tiny_model(device, dtype)
+    check_state_mode(tiny_model(device, dtype), mode)
+
+
+def check_state_mode(model, mode):
+    """``mode`` against eager fp32 on the same tokens, 48 steps (see the test above)."""
+    dtype = model.lm_head.weight.dtype
     ref, fed = run_teacher_forced(model, "eager-fp32", 48)
     got, _ = run_teacher_forced(model, mode, 48, feed=fed)
     tol = mu.mode_tolerance(mode, dtype)
@@ -148,8 +165,13 @@ def test_window_then_commit_equals_single_steps(where):
     each row where k single steps of the same tokens would: the window's first k logits equal
     the steps', and so do the logits, states and lengths after every window."""
     device, dtype = where
+    check_window_then_commit(tiny_model(device, dtype))
+
+
+def check_window_then_commit(model):
+    """The test above's windows and commits on ``model``."""
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     tol = 1e-5 if dtype == torch.float32 else mu.BF16_ACTIVATIONS_TOLERANCE
-    model = tiny_model(device, dtype)
     T, rng = 4, random.Random(7)
     caches = [ServingCache(model, 3, 256, "replay-fp32:4", max_spec_tokens=T) for _ in range(2)]
     ps = prompts(device)[:2]
@@ -225,7 +247,11 @@ def test_a_captured_step_equals_eager_steps():
 def test_save_pretrained_sharded_loads_and_matches(tmp_path):
     """transformers writes a tiny model in shards (index file); models.load reads it back:
     every tensor equal, and the same prefill logits as the model it came from."""
-    model = tiny_model(seed=4)
+    check_save_pretrained_round_trip(tiny_model(seed=4), tmp_path)
+
+
+def check_save_pretrained_round_trip(model, tmp_path):
+    """hf_twin(model) saved in shards, read back by models.load: the test above."""
     hf_twin(model).save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -272,8 +298,8 @@ def test_config_round_trips_and_refuses_what_the_family_lacks():
                                                    "mamba", "attention", "mlp"]}
     del listed["hybrid_override_pattern"]
     assert NemotronHConfig.from_hf(listed) == cfg
-    with pytest.raises(NotImplementedError, match="MoE"):
-        NemotronHConfig.tiny(pattern="ME*")
+    with pytest.raises(ValueError, match="each layer is one of"):
+        NemotronHConfig.tiny(pattern="MX*")
     with pytest.raises(NotImplementedError, match="mlp_hidden_act"):
         NemotronHConfig.from_hf({**cfg.to_hf(), "mlp_hidden_act": "silu"})
     with pytest.raises(ValueError, match="unsupported model_type"):

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["check_tensors", "read_config", "read_model_dir", "read_tensors"]
+__all__ = ["check_tensors", "read_config", "read_model_dir", "read_tensors", "stack_tensors"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -81,3 +81,18 @@ def check_tensors(expected: dict[str, torch.Size], tensors: dict[str, torch.Tens
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise ValueError(f"unexpected tensor {unknown[0]}{more}: not a weight of this model")
+
+
+def stack_tensors(tensors: dict[str, torch.Tensor], names: list[str],
+                  shape: Iterable[int]) -> torch.Tensor:
+    """``torch.stack`` of ``tensors[name]`` for ``names`` in order, each of ``shape`` (e.g. a
+    checkpoint's one tensor per expert into the [E, ...] tensor a model holds); refuses a
+    missing or mis-shaped part by its name, as :func:`check_tensors` does."""
+    shape = tuple(shape)
+    for name in names:
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name}")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
+                             f"expected {shape}")
+    return torch.stack([tensors[name] for name in names])

@@ -1,9 +1,9 @@
-"""The Nemotron-H family (Nemotron-H, Nemotron-Nano-v2, Nemotron-3-Nano-4B): the computation of
-transformers' ``NemotronHForCausalLM`` (5.17), with its weight names, served from a
-:class:`ServingCache`.
+"""The Nemotron-H family (Nemotron-H, Nemotron-Nano-v2, Nemotron-3-Nano-4B and -30B-A3B): the
+computation of transformers' ``NemotronHForCausalLM`` (5.17), with its weight names, served
+from a :class:`ServingCache`.
 
 A stack of pre-norm residual blocks, one mixer each, in the order of the layer pattern
-(``hybrid_override_pattern``: ``M`` Mamba-2, ``*`` attention, ``-`` MLP; ``E`` MoE is refused):
+(``hybrid_override_pattern``: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` mixture of experts):
 
 - Mamba-2: ``in_proj`` -> (z, xBC, dt); causal depthwise conv1d + SiLU over xBC -> (x, B, C);
   SSM with A = -exp(A_log), softplus(dt + dt_bias), D skip; RMSNorm of y * silu(z) by groups
@@ -11,6 +11,15 @@ A stack of pre-norm residual blocks, one mixer each, in the order of the layer p
 - attention: q/k/v/o projections without bias, GQA, scale head_dim^-0.5, causal, and no
   positional embedding at all (no rotary: the Mamba layers carry position).
 - MLP: ``down_proj(relu(up_proj(x))^2)``.
+- mixture of experts (transformers' ``NemotronHMoE``): a router picks ``num_experts_per_tok``
+  of ``n_routed_experts`` experts per token: fp32 logits, sigmoid scores; the choice adds
+  ``e_score_correction_bias`` to the scores and keeps the ``topk_group`` of ``n_group`` expert
+  groups whose two best (biased) scores sum highest; the weights are the chosen experts'
+  unbiased scores, normalised to sum 1 (``norm_topk_prob``), times ``routed_scaling_factor``.
+  The experts are relu^2 MLPs without bias (:func:`moe.routed_experts`, summed in fp32 as
+  transformers does), inside ``fc1_latent_proj``/``fc2_latent_proj`` when ``moe_latent_size``
+  is set; one shared relu^2 MLP (``moe_shared_expert_intermediate_size``) of the block's input
+  is added. The router has no host synchronisation, so a decode step stays capturable.
 - RMSNorm (fp32 statistics) before each mixer and at the end (``norm_f``), then ``lm_head``.
 
 Prefill runs the SSM by a chunked scan in fp32 (below), from the slot's state when it continues
@@ -36,9 +45,10 @@ from torch import nn
 
 import replayssm
 
-from . import fused
+from . import fused, moe
 from .base import (CacheLayout, DecodeContext, HybridModel, PrefillContext, ServingCache,
                    causal_attention, weight_constant)
+from .loader import stack_tensors
 
 __all__ = ["NemotronHConfig", "NemotronHModel", "ssd_chunk_scan"]
 
@@ -54,7 +64,7 @@ _HUB_PREFIX = "backbone."
 _ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
             "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
             "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
-            "mamba_chunk_size": "chunk_size"}
+            "mamba_chunk_size": "chunk_size", "num_local_experts": "n_routed_experts"}
 
 
 @dataclasses.dataclass
@@ -85,16 +95,24 @@ class NemotronHConfig:
     time_step_floor: float = 1e-4
     chunk_size: int = 128
     tie_word_embeddings: bool = False
+    # Mixture-of-experts layers ('E'); transformers' defaults. Unused without 'E' layers.
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None  # None: the experts work at hidden_size, no projections
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.pattern) - {_MAMBA_LAYER, _ATTENTION_LAYER, _MLP_LAYER, _MOE_LAYER})
         if unknown or not self.pattern:
             raise ValueError(f"layer pattern {self.pattern!r}: each layer is one of 'M' "
-                             "(Mamba-2), '*' (attention), '-' (MLP)")
+                             "(Mamba-2), '*' (attention), '-' (MLP), 'E' (mixture of experts)")
         if _MOE_LAYER in self.pattern:
-            raise NotImplementedError(
-                f"layer pattern {self.pattern!r} has MoE layers ('E'), which this family does "
-                "not implement (the dense layouts served here have none)")
+            self._check_moe()
         if _MAMBA_LAYER not in self.pattern:
             raise ValueError(f"layer pattern {self.pattern!r} has no Mamba-2 layer")
         if self.mamba_num_heads % self.n_groups:
@@ -103,6 +121,27 @@ class NemotronHConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+
+    def _check_moe(self) -> None:
+        E, groups, kept, k = (self.n_routed_experts, self.n_group, self.topk_group,
+                              self.num_experts_per_tok)
+        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "moe_shared_expert_intermediate_size", "n_group", "topk_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1")
+        if self.moe_latent_size is not None and self.moe_latent_size < 1:
+            raise ValueError(f"moe_latent_size ({self.moe_latent_size}) must be None or at least 1")
+        if E % groups:
+            raise ValueError(f"n_routed_experts ({E}) must be a multiple of n_group ({groups})")
+        if E // groups < 2:
+            # A group's score is the sum of its two best experts' scores.
+            raise ValueError(f"n_routed_experts ({E}) / n_group ({groups}): each expert group "
+                             "needs at least 2 experts (a group scores by its best two)")
+        if kept > groups:
+            raise ValueError(f"topk_group ({kept}) must be at most n_group ({groups})")
+        if k > kept * (E // groups):
+            raise ValueError(f"num_experts_per_tok ({k}) exceeds the experts of the topk_group "
+                             f"({kept}) groups a token keeps ({kept * (E // groups)})")
 
     # ---- derived sizes ------------------------------------------------------------------------
 
@@ -125,9 +164,18 @@ class NemotronHConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "NemotronHConfig":
         """From a config.json dict (``hybrid_override_pattern`` or ``layers_block_type``; older
-        field names as transformers reads them). Refuses activations other than the family's."""
+        field names as transformers reads them). Refuses activations other than the family's,
+        and shared-expert counts other than transformers' one.
+
+        ``moe_shared_expert_overlap`` is read and ignored, as transformers ignores it (Megatron's
+        overlap of the shared expert with the routed experts' communication: scheduling, not
+        results)."""
         if d.get("model_type", cls.model_type) != cls.model_type:
             raise ValueError(f"model_type {d.get('model_type')!r} is not {cls.model_type!r}")
+        if ("num_local_experts" in d and "n_routed_experts" in d
+                and d["num_local_experts"] != d["n_routed_experts"]):
+            raise ValueError(f"config has both num_local_experts ({d['num_local_experts']}) and "
+                             f"n_routed_experts ({d['n_routed_experts']}), which differ")
         d = {_ALIASES.get(k, k): v for k, v in d.items()}
         for field, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
             if d.get(field, want) != want:
@@ -141,6 +189,11 @@ class NemotronHConfig:
             pattern = d["hybrid_override_pattern"]
         else:
             raise ValueError("config has neither hybrid_override_pattern nor layers_block_type")
+        if _MOE_LAYER in pattern and d.get("n_shared_experts", 1) != 1:
+            # transformers builds one shared MLP whatever this says: another count is a layout
+            # nobody has checked against it.
+            raise NotImplementedError(f"n_shared_experts {d['n_shared_experts']!r}: this family "
+                                      "computes one shared expert per MoE layer")
         names = {f.name for f in dataclasses.fields(cls)} - {"pattern"}
         return cls(pattern=pattern, **{k: v for k, v in d.items() if k in names})
 
@@ -150,7 +203,7 @@ class NemotronHConfig:
         d["hybrid_override_pattern"] = d.pop("pattern")
         d.update(model_type=self.model_type, architectures=["NemotronHForCausalLM"],
                  mlp_hidden_act="relu2", mamba_hidden_act="silu",
-                 num_hidden_layers=self.num_hidden_layers)
+                 num_hidden_layers=self.num_hidden_layers, n_shared_experts=1)
         return d
 
     # ---- presets ------------------------------------------------------------------------------
@@ -182,6 +235,41 @@ class NemotronHConfig:
                    n_groups=8, conv_kernel=4, use_conv_bias=True, chunk_size=256)
 
     @classmethod
+    def nano30b_a3b(cls) -> "NemotronHConfig":
+        """The layout of NVIDIA-Nemotron-3-Nano-30B-A3B (Mamba-2, attention, MoE; no dense MLP).
+
+        Numbers from the model's public config.json (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16),
+        as reproduced in full or in part by several public projects' tests and configs, which
+        agree: vocab_size 131072, hidden_size 2688, 52 layers with hybrid_override_pattern
+        "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME" (23 Mamba-2, 23 MoE, 6 attention),
+        mamba_num_heads 64 x mamba_head_dim 64 (d_inner 4096), ssm_state_size 128, n_groups 8,
+        conv_kernel 4, chunk_size 128, use_conv_bias true, mamba_proj_bias false, use_bias
+        false, 32 attention heads, 2 KV heads, head_dim 128, attention_bias false,
+        intermediate_size 1856 (no '-' layer uses it), mlp_hidden_act relu2, mlp_bias false,
+        n_routed_experts 128, num_experts_per_tok 6, moe_intermediate_size 1856,
+        n_shared_experts 1, moe_shared_expert_intermediate_size 3712, n_group 1, topk_group 1,
+        norm_topk_prob true, routed_scaling_factor 2.5, layer_norm_epsilon 1e-5, time_step_min
+        0.001, time_step_max 0.1, time_step_floor 1e-4, tie_word_embeddings false. The config has
+        no moe_latent_size (None: no latent projections). A Megatron-Bridge dump of the same
+        model agrees on the MoE numbers (128 experts, top 6, sigmoid scores, scaling 2.5, shared
+        width 3712, 52 layers). Some prose descriptions (the model card, Megatron-Bridge's docs)
+        say 5 experts per token; every config.json copy says num_experts_per_tok 6, which is
+        what transformers reads.
+
+        Assumed: nothing beyond the config (every field above is in it); its multi-token
+        prediction heads, if a checkpoint has them, are skipped as ``mtp.*`` tensors. With one
+        expert group the group limit is a no-op: routing is a plain top-6 of the biased scores.
+        """
+        return cls(vocab_size=131072, hidden_size=2688,
+                   pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                   intermediate_size=1856, num_attention_heads=32, num_key_value_heads=2,
+                   head_dim=128, mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128,
+                   n_groups=8, conv_kernel=4, use_conv_bias=True, chunk_size=128,
+                   n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+                   moe_shared_expert_intermediate_size=3712, moe_latent_size=None, n_group=1,
+                   topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)
+
+    @classmethod
     def tiny(cls, **overrides: Any) -> "NemotronHConfig":
         """A test layout: every layer kind twice or more, grouped heads (4 heads per group, 2 per
         KV head), a chunk size below a test prompt's length so prefill crosses chunks."""
@@ -191,6 +279,35 @@ class NemotronHConfig:
                       chunk_size=8)
         fields.update(overrides)
         return cls(**fields)
+
+
+def _stack_experts(cfg: NemotronHConfig, tensors: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """``tensors`` with each MoE layer's per-expert projections (``{prefix}layers.{i}.mixer.
+    experts.{e}.up_proj.weight``, e = 0..E-1) replaced by their stack under transformers'
+    name (``...experts.up_proj``), in the checkpoint's own prefix. Layers stored stacked
+    already, or whose experts are absent altogether, are left for ``check_tensors`` to judge;
+    per-expert tensors beside a stacked one, or of experts past E, stay and are refused as
+    unknown."""
+    prefix = _HUB_PREFIX if any(k.startswith(_HUB_PREFIX) for k in tensors) else "model."
+    width = cfg.moe_latent_size or cfg.hidden_size
+    shapes = {"up_proj": (cfg.moe_intermediate_size, width),
+              "down_proj": (width, cfg.moe_intermediate_size)}
+    out = tensors
+    for i, kind in enumerate(cfg.pattern):
+        if kind != _MOE_LAYER:
+            continue
+        base = f"{prefix}layers.{i}.mixer.experts."
+        for proj, shape in shapes.items():
+            parts = [f"{base}{e}.{proj}.weight" for e in range(cfg.n_routed_experts)]
+            if base + proj in tensors or not any(name in tensors for name in parts):
+                continue
+            if out is tensors:
+                out = dict(tensors)  # the caller's dict stays as it was
+            out[base + proj] = stack_tensors(tensors, parts, shape)
+            for name in parts:
+                del out[name]
+    return out
 
 
 # ---- the chunked scan ---------------------------------------------------------------------
@@ -382,10 +499,11 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, cfg: NemotronHConfig) -> None:
+    def __init__(self, cfg: NemotronHConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = intermediate_size or cfg.intermediate_size
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
 
     @staticmethod
     def activation(x: torch.Tensor) -> torch.Tensor:
@@ -397,7 +515,85 @@ class _MLP(nn.Module):
         return self.down_proj(self.activation(self.up_proj(h)))
 
 
-_MIXERS = {_MAMBA_LAYER: _Mamba2Mixer, _ATTENTION_LAYER: _Attention, _MLP_LAYER: _MLP}
+class _Router(nn.Module):
+    """Which experts each token goes to, and their weights (transformers' NemotronHTopkRouter;
+    see the module doc). ``e_score_correction_bias`` stays in fp32 whatever the model's dtype,
+    as transformers' from_pretrained keeps it: it decides between nearly equal scores, where a
+    bf16 rounding of it would choose other experts."""
+
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k] (int64), weights [T, k] (fp32)) of tokens ``x`` [T, H]. Only
+        device ops of fixed shapes (topk, scatter, gather): no host synchronisation."""
+        c = self.cfg
+        weight = weight_constant(self, "fp32", lambda w: w.float(), self.weight)
+        scores = F.linear(x.float(), weight).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if c.topk_group < c.n_group:  # keeping every group is no limit
+            groups = choice.unflatten(-1, (c.n_group, -1))
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)               # [T, n_group]
+            kept = group_scores.topk(c.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
+            choice = groups.masked_fill(~keep[..., None], -math.inf).flatten(-2)
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(-1, ids)  # the unbiased scores: the bias only chooses
+        if c.norm_topk_prob:
+            # transformers' epsilon, which only matters if every chosen score underflows.
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * c.routed_scaling_factor
+
+
+class _Experts(nn.Module):
+    """The routed experts' weights, stacked as transformers holds them: ``up_proj`` [E, I, W],
+    ``down_proj`` [E, W, I] (W = moe_latent_size, else hidden_size)."""
+
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+        width = cfg.moe_latent_size or cfg.hidden_size
+        self.up_proj = nn.Parameter(torch.empty(E, I, width))
+        self.down_proj = nn.Parameter(torch.empty(E, width, I))
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # Summed in fp32 and rounded once, as transformers' experts accumulate.
+        return moe.routed_experts(h, ids, weights, self.up_proj, self.down_proj, "relu2",
+                                  accumulate=torch.float32)
+
+
+class _MoE(nn.Module):
+    """A mixture-of-experts mixer: routed experts (inside the latent projections, when the
+    config has them) plus the shared expert, both of the block's normed input."""
+
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        self.gate = _Router(cfg)
+        self.experts = _Experts(cfg)
+        self.shared_experts = _MLP(cfg, cfg.moe_shared_expert_intermediate_size)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if cfg.moe_latent_size is not None:
+            L = cfg.moe_latent_size
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, L, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(L, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(0, -2)  # prefill's [n, H] or a decode window's [B, T, H]
+        ids, weights = self.gate(tokens)
+        h = tokens if self.fc1_latent_proj is None else self.fc1_latent_proj(tokens)
+        routed = self.experts(h, ids, weights)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed.view_as(x) + self.shared_experts(x)
+
+
+_MIXERS = {_MAMBA_LAYER: _Mamba2Mixer, _ATTENTION_LAYER: _Attention, _MLP_LAYER: _MLP,
+           _MOE_LAYER: _MoE}
+# Mixers without state: the stack calls them directly.
+_STATELESS = (_MLP_LAYER, _MOE_LAYER)
 
 
 class _Block(nn.Module):
@@ -413,7 +609,7 @@ class _Backbone(nn.Module):
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        counts = {_MAMBA_LAYER: 0, _ATTENTION_LAYER: 0, _MLP_LAYER: 0}
+        counts = dict.fromkeys(_MIXERS, 0)
         blocks = []
         for kind in cfg.pattern:
             blocks.append(_Block(cfg, kind, counts[kind]))
@@ -445,10 +641,13 @@ class NemotronHModel(HybridModel):
     @classmethod
     def random(cls, config: "NemotronHConfig | dict", seed: int = 0, device: Any = "cpu",
                dtype: torch.dtype = torch.float32) -> "NemotronHModel":
-        """Seeded random weights at activations of order one: projections N(0, 1/fan_in),
-        embeddings N(0, 1), norms 1 + N(0, 0.1^2), A_log = log(1..H), D near 1, dt_bias the
-        inverse softplus of dt log-uniform in [time_step_min, time_step_max] (transformers'
-        Mamba-2 initialisation)."""
+        """Seeded random weights at activations of order one: projections N(0, 1/fan_in) (the
+        experts' stacked ones too, per expert; the router's, so that its logits are of order
+        one and tokens choose different experts), embeddings N(0, 1), norms 1 + N(0, 0.1^2),
+        A_log = log(1..H), D near 1, dt_bias the inverse softplus of dt log-uniform in
+        [time_step_min, time_step_max] (transformers' Mamba-2 initialisation), biases and the
+        router's score-correction bias N(0, 0.1^2) (a shift of the choice comparable to the
+        sigmoid scores' spread, so it changes some choices and not all)."""
         config = cls._config(config)
         model = cls._empty(config, device, dtype)
         gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
@@ -479,11 +678,31 @@ class NemotronHModel(HybridModel):
                 fill(p, normal(p.shape, 1.0))
             elif name.endswith("conv1d.weight"):
                 fill(p, normal(p.shape, cfg.conv_kernel ** -0.5))
-            elif leaf == "bias":
+            elif leaf in ("bias", "e_score_correction_bias"):
                 fill(p, normal(p.shape, 0.1))
-            else:  # projections [out, in]
+            else:  # projections [out, in], and the experts' [E, out, in]
                 fill(p, normal(p.shape, p.shape[-1] ** -0.5))
         return model
+
+    @classmethod
+    def _empty(cls, config: NemotronHConfig, device: Any, dtype: torch.dtype) -> "NemotronHModel":
+        model = super()._empty(config, device, dtype)
+        for block in model.model.layers:
+            if block.kind == _MOE_LAYER:  # the score-correction bias stays fp32 (see _Router)
+                gate = block.mixer.gate
+                gate.e_score_correction_bias = nn.Parameter(
+                    gate.e_score_correction_bias.detach().float(), requires_grad=False)
+        return model
+
+    @classmethod
+    def from_tensors(cls, config: "NemotronHConfig | dict", tensors: dict[str, torch.Tensor],
+                     device: Any = "cpu", dtype: torch.dtype = torch.float32) -> "NemotronHModel":
+        """:meth:`HybridModel.from_tensors`, the experts stored either stacked (transformers'
+        in-memory names, ``mixer.experts.up_proj``) or one tensor per expert (the hub's and
+        ``save_pretrained``'s: ``mixer.experts.{e}.up_proj.weight``), which are stacked here
+        (refusing a missing or mis-shaped expert by its name)."""
+        config = cls._config(config)
+        return super().from_tensors(config, _stack_experts(config, tensors), device, dtype)
 
     @classmethod
     def _checkpoint_names(cls, names: list[str], tensors: dict[str, torch.Tensor]
@@ -515,5 +734,6 @@ class NemotronHModel(HybridModel):
                 x = block.norm(h)
             else:
                 h, x = block.norm.add(h, delta)
-            delta = block.mixer(x) if block.kind == _MLP_LAYER else mix(block.mixer, block.index, x)
+            delta = (block.mixer(x) if block.kind in _STATELESS
+                     else mix(block.mixer, block.index, x))
         return self.lm_head(self.model.norm_f.add(h, delta)[1])
