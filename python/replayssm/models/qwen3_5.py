@@ -56,6 +56,7 @@ import replayssm
 
 from . import fused
 from .merged import MergedLinear
+from .loader import stack_tensors
 from .moe import routed_experts
 from .base import (CacheLayout, DecodeContext, HybridModel, PrefillContext, ServingCache,
                    causal_attention)
@@ -848,37 +849,23 @@ def _stack_experts(c: Qwen35MoeConfig, tensors: dict[str, torch.Tensor],
                    ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """``tensors`` with each layer's per-expert tensors replaced by the stacked pair
     (``gate_up_proj``: the experts' gate rows then their up rows; ``down_proj``). Refuses,
-    by name, a missing, mis-shaped or surplus expert tensor, or a layer holding both forms.
+    by name, a missing or mis-shaped expert tensor (loader.stack_tensors), or a layer holding
+    both forms; an expert past ``num_experts`` stays, for check_tensors to refuse as unknown.
     Names under an ``ignored`` prefix (the MTP head's own experts) pass through unstacked."""
     E, I, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
     shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    layers: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        m = None if name.startswith(ignored) else _PER_EXPERT.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-        if e >= E:
-            raise ValueError(f"unexpected tensor {name}: expert {e} of {E} (num_experts)")
-        if tuple(t.shape) != shapes[proj]:
-            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected "
-                             f"{shapes[proj]}")
-        layers.setdefault(prefix, {})[e, proj] = t
-    for prefix, parts in layers.items():
-        for e in range(E):
-            for proj in shapes:
-                if (e, proj) not in parts:
-                    raise ValueError(f"missing tensor {prefix}.{e}.{proj}.weight")
+    prefixes = sorted({m.group(1) for m in map(_PER_EXPERT.match, tensors)
+                       if m is not None and not m.string.startswith(ignored)})
+    out = dict(tensors)
+    for prefix in prefixes:
         for stacked in ("gate_up_proj", "down_proj"):
-            if f"{prefix}.{stacked}" in out:
+            if f"{prefix}.{stacked}" in tensors:
                 raise ValueError(f"{prefix} holds both {prefix}.{stacked} and per-expert "
                                  f"tensors: one form only")
-
-        def stack(proj: str) -> torch.Tensor:
-            return torch.stack([parts[e, proj] for e in range(E)])
-
-        out[f"{prefix}.gate_up_proj"] = torch.cat((stack("gate_proj"), stack("up_proj")), 1)
-        out[f"{prefix}.down_proj"] = stack("down_proj")
+        names = {proj: [f"{prefix}.{e}.{proj}.weight" for e in range(E)] for proj in shapes}
+        stack = {proj: stack_tensors(tensors, names[proj], shape) for proj, shape in shapes.items()}
+        out[f"{prefix}.gate_up_proj"] = torch.cat((stack["gate_proj"], stack["up_proj"]), 1)
+        out[f"{prefix}.down_proj"] = stack["down_proj"]
+        for name in (n for group in names.values() for n in group):
+            del out[name]
     return out
