@@ -5,7 +5,8 @@ fp32 state, in the same run.
                                   [--context 1024] [--json FILE]
     python -m replayssm.bench_e2e --plot FILE.json [--out FILE.png]
 
-For each layout (the real Nemotron-3-Nano-4B and Qwen3.5-4B layouts by default, random bf16
+For each layout (the real Nemotron-3-Nano-4B and Qwen3.5-4B layouts by default; the
+mixture-of-experts Nemotron-3-Nano-30B-A3B and Qwen3.5-35B-A3B on request; random bf16
 weights), batch and state mode, one decode step of the whole model (``model.step_argmax``: the
 greedy token, the engine's :class:`~replayssm.models.engine.StepRunner`) is captured in a CUDA graph
 and replayed; a row is its slot, every row is live (no pad rows). The step runs the fused Triton
@@ -73,8 +74,13 @@ from replayssm.models.engine import StepRunner
 LAYOUTS = {
     "nemotron-nano-4b": ("nemotron_h", "NemotronHConfig.nano4b", "NemotronHModel"),
     "qwen3.5-4b": ("qwen3_5", "QWEN35_4B", "Qwen35Model"),
+    # Mixture-of-experts layouts (not run by default: 60-70 GB of bf16 weights each).
+    "nemotron-nano-30b-a3b": ("nemotron_h", "NemotronHConfig.nano30b_a3b", "NemotronHModel"),
+    "qwen3.5-35b-a3b": ("qwen3_5", "QWEN35_MOE_35B_A3B", "Qwen35MoeModel"),
     "nemotron-tiny": ("nemotron_h", "NemotronHConfig.tiny", "NemotronHModel"),
     "qwen3.5-tiny": ("qwen3_5", "tiny_config", "Qwen35Model"),
+    "nemotron-moe-tiny": ("nemotron_h", "NemotronHConfig.tiny_moe", "NemotronHModel"),
+    "qwen3.5-moe-tiny": ("qwen3_5", "tiny_moe_config", "Qwen35MoeModel"),
 }
 DEFAULT_LAYOUTS = ("nemotron-nano-4b", "qwen3.5-4b")
 DEFAULT_BATCHES = (1, 16, 64, 256)
@@ -114,7 +120,8 @@ def operator_class(name: str) -> str:
         return "ssm"
     if name == _ATTENTION_TAG:
         return "attention"
-    if name in ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm"):
+    if name in ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
+                "aten::_grouped_mm"):
         return "gemm"
     return "other"
 

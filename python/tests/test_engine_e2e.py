@@ -167,7 +167,8 @@ def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
     from replayssm import bench_e2e
 
     out = tmp_path / "bench.json"
-    bench_e2e.main(["--layouts", "nemotron-tiny", "qwen3.5-tiny", "--modes", "eager-fp32",
+    layouts = ("nemotron-tiny", "qwen3.5-tiny", "nemotron-moe-tiny", "qwen3.5-moe-tiny")
+    bench_e2e.main(["--layouts", *layouts, "--modes", "eager-fp32",
                     "replay-fp32+bf16:4", "--batches", "2", "--context", "24", "--steps", "4",
                     "--repeats", "1", "--device", "cpu", "--dtype", "float32",
                     "--profile-starts", "synchronized", "staggered",
@@ -175,7 +176,7 @@ def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
     result = json.loads(out.read_text())
     runs = result["runs"]
     assert {(r["layout"], r["mode"], r["starts"]) for r in runs} == {
-        (layout, mode, starts) for layout in ("nemotron-tiny", "qwen3.5-tiny")
+        (layout, mode, starts) for layout in layouts
         for mode in ("eager-fp32", "replay-fp32+bf16:4") for starts in ("synchronized", "staggered")}
     for r in runs:
         assert r["batch"] == 2 and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0

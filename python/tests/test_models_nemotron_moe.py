@@ -26,17 +26,13 @@ from test_models_nemotron import (  # noqa: E402
     check_matches_transformers, check_save_pretrained_round_trip, check_state_mode,
     check_window_then_commit, hf_twin, prompts, run_teacher_forced)
 
-# Every layer kind, MoE twice: 8 experts in 2 groups of 4, one group kept, top 2, a scaling
-# other than 1 (so that a missing factor shows).
-MOE = dict(pattern="M*EM-ME*", n_routed_experts=8, num_experts_per_tok=2,
-           moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
-           topk_group=1, routed_scaling_factor=2.5)
-VARIANTS = [pytest.param(MOE, id="moe"),
-            pytest.param({**MOE, "moe_latent_size": 24}, id="moe-latent")]
+# Overrides of NemotronHConfig.tiny_moe per variant.
+VARIANTS = [pytest.param({}, id="moe"),
+            pytest.param({"moe_latent_size": 24}, id="moe-latent")]
 
 
-def moe_model(variant=MOE, device="cpu", dtype=torch.float32, seed=1):
-    return NemotronHModel.random(NemotronHConfig.tiny(**variant), seed=seed, device=device,
+def moe_model(variant=None, device="cpu", dtype=torch.float32, seed=1):
+    return NemotronHModel.random(NemotronHConfig.tiny_moe(**(variant or {})), seed=seed, device=device,
                                  dtype=dtype)
 
 
@@ -125,7 +121,7 @@ def test_replay_fp32_matches_eager_fp32_with_free_routing(where, variant):
 def test_window_then_commit_equals_single_steps(where):
     """A window's tokens reach the experts as [B, T, H]: the same as T single steps."""
     device, dtype = where
-    check_window_then_commit(moe_model({**MOE, "moe_latent_size": 24}, device, dtype))
+    check_window_then_commit(moe_model({"moe_latent_size": 24}, device, dtype))
 
 
 @pytest.mark.parametrize("where", mu.DEVICES)
@@ -136,7 +132,7 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows(where):
     bf16's); a row given another's state or experts errs by O(1)."""
     device, dtype = where
     tol = 1e-5 if dtype == torch.float32 else mu.BF16_ACTIVATIONS_TOLERANCE
-    mu.check_rows_independent(moe_model(MOE, device, dtype),
+    mu.check_rows_independent(moe_model({}, device, dtype),
                               prompts(device, lengths=(9, 14, 3, 17), seed=8), device, tol=tol)
 
 
@@ -154,7 +150,7 @@ def test_a_captured_step_equals_eager_steps(variant):
 def _router_case(norm_topk_prob=True):
     """A tiny MoE model whose first MoE router sees scores ``p`` for token 0 (its hidden
     state is a unit vector; the router's weights are the scores' logits along it)."""
-    model = moe_model({**MOE, "norm_topk_prob": norm_topk_prob})
+    model = moe_model({"norm_topk_prob": norm_topk_prob})
     gate = moe_layers(model)[0].gate
     H = model.config.hidden_size
     p = torch.tensor([0.9, 0.1, 0.1, 0.1,    # group 0: best 0.9, top-2 sum 1.0
@@ -205,7 +201,7 @@ def test_router_matches_transformers_router(groups):
     from transformers.models.nemotron_h import modeling_nemotron_h as hf_mod
 
     n_group, topk_group = groups
-    model = moe_model({**MOE, "n_group": n_group, "topk_group": topk_group,
+    model = moe_model({"n_group": n_group, "topk_group": topk_group,
                        "num_experts_per_tok": 3}, seed=3)
     gate = moe_layers(model)[0].gate
     hf_gate = hf_mod.NemotronHTopkRouter(transformers.NemotronHConfig(**model.config.to_hf()))
@@ -262,14 +258,14 @@ def test_save_pretrained_sharded_loads_and_matches(tmp_path, variant):
 
 def test_stacked_experts_load_too():
     """transformers' in-memory names (stacked [E, I, W] experts, model. prefix) load as well."""
-    model = moe_model({**MOE, "moe_latent_size": 24}, seed=4)
+    model = moe_model({"moe_latent_size": 24}, seed=4)
     loaded = NemotronHModel.from_tensors(model.config, model.state_dict())
     for name, t in loaded.state_dict().items():
         assert torch.equal(t, model.state_dict()[name]), name
 
 
 def test_loader_refuses_missing_misshaped_and_extra_experts_by_name(tmp_path):
-    model = moe_model(MOE)
+    model = moe_model()
     hf_twin(model).save_pretrained(tmp_path)
     tensors = read_tensors(tmp_path)
     cfg = model.config
@@ -302,7 +298,7 @@ def test_loader_refuses_missing_misshaped_and_extra_experts_by_name(tmp_path):
 # ---- config -----------------------------------------------------------------------------------
 
 def test_config_round_trips_and_refuses_what_the_family_lacks():
-    cfg = NemotronHConfig.tiny(**MOE, moe_latent_size=24)
+    cfg = NemotronHConfig.tiny_moe(moe_latent_size=24)
     d = cfg.to_hf()
     assert NemotronHConfig.from_hf(d) == cfg
     old = {**{k: v for k, v in d.items() if k != "n_routed_experts"}, "num_local_experts": 8,
@@ -321,7 +317,7 @@ def test_config_round_trips_and_refuses_what_the_family_lacks():
                          (dict(moe_latent_size=0), "moe_latent_size"),
                          (dict(n_routed_experts=0), "n_routed_experts \\(0\\) must be at least 1")]:
         with pytest.raises(ValueError, match=message):
-            NemotronHConfig.tiny(**{**MOE, **bad})
+            NemotronHConfig.tiny_moe(**bad)
     # The MoE fields are not checked where no layer uses them.
     assert NemotronHConfig.tiny(n_group=3).n_group == 3
 

@@ -280,6 +280,16 @@ class NemotronHConfig:
         fields.update(overrides)
         return cls(**fields)
 
+    @classmethod
+    def tiny_moe(cls, **overrides: Any) -> "NemotronHConfig":
+        """:meth:`tiny` with MoE layers: every layer kind, MoE twice; 8 experts in 2 groups of
+        4, one group kept, top 2, and a scaling other than 1 (so that a missing factor shows)."""
+        fields = dict(pattern="M*EM-ME*", n_routed_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                      n_group=2, topk_group=1, routed_scaling_factor=2.5)
+        fields.update(overrides)
+        return cls.tiny(**fields)
+
 
 def _stack_experts(cfg: NemotronHConfig, tensors: dict[str, torch.Tensor]
                    ) -> dict[str, torch.Tensor]:
