@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen3_5": "qwen3_5:Qwen35Model",  # the published checkpoints (text tower under text_config)
     "qwen3_5_moe_text": "qwen3_5:Qwen35MoeModel",  # Qwen3_5MoeForCausalLM.save_pretrained
     "qwen3_5_moe": "qwen3_5:Qwen35MoeModel",  # the published Qwen3.5-MoE checkpoints
+    "qwen3_next": "qwen3_next:Qwen3NextModel",  # Qwen3NextForCausalLM (Qwen3-Next-80B-A3B)
 }
 
 

@@ -4,6 +4,9 @@ its weight names, served from a :class:`ServingCache` — and Qwen3.5-MoE
 (``Qwen3_5MoeForCausalLM``: Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B), the same layers with a
 sparse block as every MLP (:class:`Qwen35MoeConfig`, :class:`Qwen35MoeModel`). Norms, mixers
 and rotary are the same in both (transformers' MoE classes compute them identically).
+Qwen3-Next (:mod:`replayssm.models.qwen3_next`) is built from these layers too: the GDN mixer
+reads x through other projections (``_input_projections``), a config decides which layers'
+MLPs are sparse (``mlp_is_sparse``) and whether the top-k weights are renormalised.
 
 One decoder layer (pre-norm, residual around the mixer and around the MLP)::
 
@@ -163,6 +166,11 @@ class Qwen35Config:
     def attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
 
+    def mlp_is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a sparse block (else a dense SwiGLU MLP of
+        ``intermediate_size``): never in Qwen3.5."""
+        return False
+
     @property
     def gdn_dims(self) -> dict[str, int]:
         """The SSM layers' shape as :class:`replayssm.CacheConfig` takes it."""
@@ -183,8 +191,12 @@ class Qwen35Config:
                                  f"({', '.join(cls.hf_model_types)}); models.load picks the "
                                  f"family by model_type")
         rope = dict(text.get("rope_parameters") or {})
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default'")
+        # Older config.json files name a scaled rotary rope_scaling (its kind under "type" or
+        # "rope_type"); null there, as in the published checkpoints, is plain RoPE.
+        for given in (rope, dict(text.get("rope_scaling") or {})):
+            kind = given.get("rope_type", given.get("type", "default"))
+            if kind != "default":
+                raise ValueError(f"unsupported rope_type {kind!r}; only 'default'")
         if not text.get("attn_output_gate", True):
             raise ValueError("attention without the output gate (attn_output_gate false) is not "
                              "Qwen3.5's")
@@ -232,6 +244,9 @@ class Qwen35MoeConfig(Qwen35Config):
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
+    #: Qwen3.5-MoE always divides the top-k weights by their sum (Qwen3-Next's config, a
+    #: subclass, makes this a field).
+    norm_topk_prob: ClassVar[bool] = True
 
     model_type: ClassVar[str] = "qwen3_5_moe_text"
     hf_model_types: ClassVar[tuple[str, ...]] = ("qwen3_5_moe_text", "qwen3_5_moe")
@@ -239,6 +254,8 @@ class Qwen35MoeConfig(Qwen35Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not any(self.mlp_is_sparse(i) for i in range(self.num_hidden_layers)):
+            return  # no sparse block: the MoE fields are unused (Qwen3-Next allows that)
         if self.num_experts < 1:
             raise ValueError(f"num_experts {self.num_experts}: a sparse block needs experts")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -246,21 +263,30 @@ class Qwen35MoeConfig(Qwen35Config):
                              f"[1, num_experts = {self.num_experts}]")
         for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} {getattr(self, name)} must be positive (every "
-                                 f"Qwen3.5-MoE layer has routed experts and a shared expert)")
+                raise ValueError(f"{name} {getattr(self, name)} must be positive (a "
+                                 f"sparse block has routed experts and a shared expert)")
+
+    def mlp_is_sparse(self, layer: int) -> bool:
+        """Every Qwen3.5-MoE layer's MLP is a sparse block."""
+        return True
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Qwen35MoeConfig":
         """As :meth:`Qwen35Config.from_hf`; also refuses the Qwen3-Next routing options that
         Qwen3.5-MoE dropped (transformers' Qwen3.5-MoE renormalises the top-k weights and has
-        a sparse block in every layer) when a config.json sets them otherwise."""
+        a sparse block in every layer) when a config.json sets them otherwise, unless the
+        class has them as fields (Qwen3-Next's config, which reads them). The model_type is
+        checked first: a Qwen3-Next config.json is refused as such."""
+        parsed = super().from_hf(config)
         text = config.get("text_config") or config
-        if not text.get("norm_topk_prob", True):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if "norm_topk_prob" not in fields and not text.get("norm_topk_prob", True):
             raise ValueError("norm_topk_prob false: Qwen3.5-MoE renormalises the top-k weights")
-        if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
+        if "mlp_only_layers" not in fields and (text.get("mlp_only_layers") or
+                                                text.get("decoder_sparse_step", 1) != 1):
             raise ValueError("mlp_only_layers / decoder_sparse_step: Qwen3.5-MoE has a sparse "
                              "block in every layer")
-        return super().from_hf(config)
+        return parsed
 
     def to_hf(self) -> dict[str, Any]:
         d = super().to_hf()
@@ -496,20 +522,22 @@ class _Experts(nn.Module):
 
 
 class _SparseMoe(nn.Module):
-    """Qwen3.5-MoE's MLP: the router (``gate``) picks each token's top-k experts, whose outputs
-    are summed with the renormalised router weights, plus the shared expert scaled by
+    """Qwen3.5-MoE's (and Qwen3-Next's) MLP: the router (``gate``) picks each token's top-k
+    experts, whose outputs are summed with the router weights (renormalised where
+    ``norm_topk_prob``: always in Qwen3.5-MoE), plus the shared expert scaled by
     sigmoid(``shared_expert_gate`` x).
 
     Routing as transformers rounds it: logits in the activations' dtype, softmax in fp32, top-k,
-    the k weights divided by their sum, then rounded to the activations' dtype. The experts run
-    in :func:`replayssm.models.moe.routed_experts`, whose sum accumulates in the activations'
-    dtype as transformers' does. Everything is device-side (topk, no host reads), so a decode
+    the k weights divided by their sum (``norm_topk_prob``), then rounded to the activations'
+    dtype. The experts run in :func:`replayssm.models.moe.routed_experts`, whose sum
+    accumulates in the activations' dtype as transformers' does. Everything is device-side (topk, no host reads), so a decode
     step stays capturable. The router, the shared expert's gate and its gate and up
     projections all read x: one GEMM (a decode step's four projections in one launch)."""
 
     def __init__(self, c: Qwen35MoeConfig) -> None:
         super().__init__()
         self.top_k = c.num_experts_per_tok
+        self.renormalise = c.norm_topk_prob
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         self.experts = _Experts(c)
         self.shared_expert = _MLP(c, c.shared_expert_intermediate_size, merged=False)
@@ -521,7 +549,9 @@ class _SparseMoe(nn.Module):
         """Router logits [T, E] -> (expert ids [T, k], weights [T, k] in the logits' dtype)."""
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
-        return ids, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -540,10 +570,7 @@ class _GatedDeltaNet(nn.Module):
         super().__init__()
         self.c = c
         Hv = c.linear_num_value_heads
-        self.in_proj_qkv = nn.Linear(c.hidden_size, c.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(c.hidden_size, c.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(c.hidden_size, Hv, bias=False)
-        self.in_proj_a = nn.Linear(c.hidden_size, Hv, bias=False)
+        self._input_projections(c)
         # Depthwise: weight [conv_dim, 1, kernel], as nn.Conv1d(groups=conv_dim) stores it.
         self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.linear_conv_kernel_dim,
                                 groups=c.conv_dim, bias=False,
@@ -552,13 +579,21 @@ class _GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(Hv))
         self.norm = _GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+
+    def _input_projections(self, c: Qwen35Config) -> None:
+        """The projections of x (Qwen3.5's four), merged into one GEMM (``_in_proj``)."""
+        self.in_proj_qkv = nn.Linear(c.hidden_size, c.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
         self._in_proj = MergedLinear(self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                      self.in_proj_a)
 
     def project(self, x: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., hidden] -> the conv's input [..., conv_dim], the output gate z
-        [..., value_dim], b and a [..., num_v_heads]: column slices of one GEMM's output."""
+        """x [..., hidden] -> the conv's input [..., conv_dim] (q, k, v channels), the output
+        gate z [..., value_dim], b and a [..., num_v_heads]: column slices of one GEMM's
+        output."""
         return self._in_proj(x)
 
     def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -688,14 +723,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, c: Qwen35Config, kind: str) -> None:
+    def __init__(self, c: Qwen35Config, index: int, gdn: type) -> None:
         super().__init__()
-        self.kind = kind
-        if kind == LINEAR:
-            self.linear_attn = _GatedDeltaNet(c)
+        self.kind = c.layer_types[index]
+        if self.kind == LINEAR:
+            self.linear_attn = gdn(c)
         else:
             self.self_attn = _Attention(c)
-        self.mlp = _SparseMoe(c) if isinstance(c, Qwen35MoeConfig) else _MLP(c)
+        self.mlp = _SparseMoe(c) if c.mlp_is_sparse(index) else _MLP(c)
         self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -705,10 +740,10 @@ class _DecoderLayer(nn.Module):
 
 
 class _TextModel(nn.Module):
-    def __init__(self, c: Qwen35Config) -> None:
+    def __init__(self, c: Qwen35Config, gdn: type) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(_DecoderLayer(c, t) for t in c.layer_types)
+        self.layers = nn.ModuleList(_DecoderLayer(c, i, gdn) for i in range(c.num_hidden_layers))
         self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -721,11 +756,13 @@ class Qwen35Model(HybridModel):
 
     config_class = Qwen35Config
     ignored_tensors = ("model.visual.", "mtp.")
+    #: The GDN mixer class (Qwen3-Next's reads x through other projections).
+    gdn_class: ClassVar[type] = _GatedDeltaNet
 
     def __init__(self, config: Qwen35Config) -> None:
         super().__init__()
         self.config = config
-        self.model = _TextModel(config)
+        self.model = _TextModel(config, self.gdn_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._tie()
         # The SSM cache's layer index of each GDN layer, the KV cache's of each attention layer.
