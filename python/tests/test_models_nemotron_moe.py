@@ -32,8 +32,8 @@ VARIANTS = [pytest.param({}, id="moe"),
 
 
 def moe_model(variant=None, device="cpu", dtype=torch.float32, seed=1):
-    return NemotronHModel.random(NemotronHConfig.tiny_moe(**(variant or {})), seed=seed, device=device,
-                                 dtype=dtype)
+    config = NemotronHConfig.tiny_moe(**(variant or {}))
+    return NemotronHModel.random(config, seed=seed, device=device, dtype=dtype)
 
 
 def moe_layers(model):

@@ -174,16 +174,25 @@ def test_bf16_error_within_twice_transformers_own(device):
     """bf16 weights and activations: against transformers in fp32 (same weights, its greedy
     tokens fed to all three), our error stays within twice transformers' bf16 error, over the
     prompt and over 64 steps at worst and on average."""
-    model = tiny_model(device, torch.bfloat16, seed=2)
-    hf = hf_twin(model)
-    hf32 = hf_twin(tiny_model(device, seed=2))
+    check_bf16_error_within_twice_transformers(tiny_model(device, torch.bfloat16, seed=2),
+                                               tiny_model(device, seed=2))
+
+
+def check_bf16_error_within_twice_transformers(model, model32, twin=None):
+    """``model`` (bf16) and ``model32`` (the same weights in fp32) against transformers' twins
+    (``twin``, default :func:`hf_twin`):
+    transformers in fp32 gives the reference and the fed tokens; our bf16 error stays within
+    twice transformers' bf16 error over a 37-token prompt and 64 steps, at worst and on
+    average."""
+    device = next(model.parameters()).device
+    twin = twin or hf_twin
+    hf, hf32 = twin(model), twin(model32)
     tokens = prompt(37, seed=1, device=device)
     first32, steps32, fed = hf_run(hf32, tokens, 64)
     first_hf, steps_hf, _ = hf_run(hf, tokens, 64, forced=fed)
     first, steps, _ = our_run(model, "eager-fp32", tokens, 64, forced=fed)
     assert mu.rel_err(first, first32) <= 2 * mu.rel_err(first_hf, first32)
-    ours = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps, steps32)])
-    theirs = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps_hf, steps32)])
+    ours, theirs = step_errors(steps, steps32), step_errors(steps_hf, steps32)
     assert ours.max() <= 2 * theirs.max() and ours.mean() <= 2 * theirs.mean(), (ours, theirs)
 
 
@@ -195,13 +204,25 @@ def test_bf16_error_within_twice_transformers_own(device):
 def test_state_modes_match_eager_fp32(where, mode):
     """70 teacher-forced steps after a 21-token prompt (4 folds at L = 16, 17 at L = 4)."""
     device, dtype = where
-    model = tiny_model(device, dtype)
+    steps, steps_ref = state_mode_runs(tiny_model(device, dtype), mode)
+    assert run_err(steps, steps_ref) < MODE_TOL[mode.split(":")[0]]
+
+
+def step_errors(got, ref):
+    """rel_err of each step: lists of step logits."""
+    return torch.tensor([mu.rel_err(a, b) for a, b in zip(got, ref)])
+
+
+def state_mode_runs(model, mode):
+    """The step logits of ``mode`` and of eager fp32 over 70 teacher-forced steps after a
+    21-token prompt (4 folds at L = 16, 17 at L = 4); the prefill's logits equal, as every mode
+    loads the same fp32 prefill state."""
+    device = next(model.parameters()).device
     tokens, stream = prompt(21, seed=4, device=device), prompt(70, seed=5).tolist()
     first_ref, steps_ref, _ = our_run(model, "eager-fp32", tokens, 70, forced=stream)
     first, steps, _ = our_run(model, mode, tokens, 70, forced=stream)
-    # Every mode loads the same fp32 prefill state.
     assert torch.equal(first, first_ref)
-    assert run_err(steps, steps_ref) < MODE_TOL[mode.split(":")[0]]
+    return steps, steps_ref
 
 
 @pytest.mark.parametrize("where", mu.DEVICES_FP32)

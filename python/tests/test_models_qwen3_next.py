@@ -27,7 +27,9 @@ from replayssm.models.loader import read_tensors  # noqa: E402
 import models_util as mu  # noqa: E402
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
 from test_models_qwen import (FP32_TOL, MODE_TOL, hf_run, our_run, prompt,  # noqa: E402
-                              run_err, same_prefill)
+                              run_err, same_prefill,
+                              check_bf16_error_within_twice_transformers, state_mode_runs,
+                              step_errors)
 from test_models_qwen_moe import BLOCK_TOL, FLIP_BOUND, FLIPPED_STEPS  # noqa: E402
 
 #: Layouts compared with transformers: sparse blocks everywhere (the 80B's), dense MLPs in
@@ -240,17 +242,10 @@ def test_bf16_error_within_twice_transformers_own(device):
     comparison: at seed 2, layer 1's experts 6 and 7 tie at 0.1192 in our bf16 run at the
     first step (transformers: 0.1202 and 0.1174) and that step errs by 0.11 against 0.007,
     0.29 at worst against 0.12, though the same step's routing in fp32 matches."""
-    model = tiny_next(device, torch.bfloat16, seed=3, **LAYOUTS["dense-layers"])
-    hf = hf_twin(model)
-    hf32 = hf_twin(tiny_next(device, seed=3, **LAYOUTS["dense-layers"]))
-    tokens = prompt(37, seed=1, device=device)
-    first32, steps32, fed = hf_run(hf32, tokens, 64)
-    first_hf, steps_hf, _ = hf_run(hf, tokens, 64, forced=fed)
-    first, steps, _ = our_run(model, "eager-fp32", tokens, 64, forced=fed)
-    assert mu.rel_err(first, first32) <= 2 * mu.rel_err(first_hf, first32)
-    ours = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps, steps32)])
-    theirs = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps_hf, steps32)])
-    assert ours.max() <= 2 * theirs.max() and ours.mean() <= 2 * theirs.mean(), (ours, theirs)
+    layout = LAYOUTS["dense-layers"]
+    check_bf16_error_within_twice_transformers(
+        tiny_next(device, torch.bfloat16, seed=3, **layout), tiny_next(device, seed=3, **layout),
+        hf_twin)
 
 
 # ---- state modes, batches, capture ------------------------------------------------------------
@@ -266,11 +261,7 @@ def test_state_modes_match_eager_fp32(where, mode):
     allowance below is for the flips another seed or device may meet)."""
     device, dtype = where
     model = tiny_next(device, dtype, **LAYOUTS["dense-layers"])
-    tokens, stream = prompt(21, seed=4, device=device), prompt(70, seed=5).tolist()
-    first_ref, steps_ref, _ = our_run(model, "eager-fp32", tokens, 70, forced=stream)
-    first, steps, _ = our_run(model, mode, tokens, 70, forced=stream)
-    assert torch.equal(first, first_ref)
-    errors = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps, steps_ref)])
+    errors = step_errors(*state_mode_runs(model, mode))
     tol = MODE_TOL[mode.split(":")[0]]
     # test_models_qwen_moe's allowance: a lossy state moves a router's logits by its
     # rounding, which flips a near-tied routing choice now and then (that step's MLP output

@@ -19,14 +19,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from replayssm import models  # noqa: E402
-from replayssm.models import ServingCache, StateMode  # noqa: E402
+from replayssm.models import StateMode  # noqa: E402
 from replayssm.models import qwen3_5 as qw  # noqa: E402
 from replayssm.models.loader import read_tensors  # noqa: E402
 
 import models_util as mu  # noqa: E402
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
-from test_models_qwen import (FP32_TOL, MODE_TOL, hf_run, hf_twin, int32, our_run,  # noqa: E402
-                              prompt, run_err, same_prefill)
+from test_models_qwen import (FP32_TOL, MODE_TOL, hf_run, hf_twin, our_run,  # noqa: E402
+                              prompt, run_err, same_prefill,
+                              check_bf16_error_within_twice_transformers, state_mode_runs,
+                              step_errors)
 
 #: The sparse block alone against transformers' (same input, same weights): fp32 sums of a few
 #: dozen terms in another order (measured 1.6e-7); bf16 rounds the products, the activation and
@@ -129,17 +131,8 @@ def test_bf16_error_within_twice_transformers_own(device):
     runs in bf16 (two experts' probabilities within a rounding), in theirs as in ours: the
     bound is on the whole run's error, which such a flip moves in both (measured on the CPU:
     prompt 0.22 ours, 0.57 theirs; steps at worst 0.60 and 0.50, on average 0.077 and 0.076)."""
-    model = tiny_moe(device, torch.bfloat16, seed=2)
-    hf = hf_twin(model)
-    hf32 = hf_twin(tiny_moe(device, seed=2))
-    tokens = prompt(37, seed=1, device=device)
-    first32, steps32, fed = hf_run(hf32, tokens, 64)
-    first_hf, steps_hf, _ = hf_run(hf, tokens, 64, forced=fed)
-    first, steps, _ = our_run(model, "eager-fp32", tokens, 64, forced=fed)
-    assert mu.rel_err(first, first32) <= 2 * mu.rel_err(first_hf, first32)
-    ours = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps, steps32)])
-    theirs = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps_hf, steps32)])
-    assert ours.max() <= 2 * theirs.max() and ours.mean() <= 2 * theirs.mean(), (ours, theirs)
+    check_bf16_error_within_twice_transformers(tiny_moe(device, torch.bfloat16, seed=2),
+                                               tiny_moe(device, seed=2))
 
 
 # ---- state modes, batches, capture ------------------------------------------------------------
@@ -150,12 +143,7 @@ def test_bf16_error_within_twice_transformers_own(device):
 def test_state_modes_match_eager_fp32(where, mode):
     """70 teacher-forced steps after a 21-token prompt (4 folds at L = 16, 17 at L = 4)."""
     device, dtype = where
-    model = tiny_moe(device, dtype)
-    tokens, stream = prompt(21, seed=4, device=device), prompt(70, seed=5).tolist()
-    first_ref, steps_ref, _ = our_run(model, "eager-fp32", tokens, 70, forced=stream)
-    first, steps, _ = our_run(model, mode, tokens, 70, forced=stream)
-    assert torch.equal(first, first_ref)
-    errors = torch.tensor([mu.rel_err(a, b) for a, b in zip(steps, steps_ref)])
+    errors = step_errors(*state_mode_runs(tiny_moe(device, dtype), mode))
     tol = MODE_TOL[mode.split(":")[0]]
     # A lossy state moves a router's logits by its rounding, which flips a near-tied choice
     # now and then: that step's MLP output changes by a weight times the two experts'

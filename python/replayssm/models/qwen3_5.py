@@ -530,9 +530,10 @@ class _SparseMoe(nn.Module):
     Routing as transformers rounds it: logits in the activations' dtype, softmax in fp32, top-k,
     the k weights divided by their sum (``norm_topk_prob``), then rounded to the activations'
     dtype. The experts run in :func:`replayssm.models.moe.routed_experts`, whose sum
-    accumulates in the activations' dtype as transformers' does. Everything is device-side (topk, no host reads), so a decode
-    step stays capturable. The router, the shared expert's gate and its gate and up
-    projections all read x: one GEMM (a decode step's four projections in one launch)."""
+    accumulates in the activations' dtype as transformers' does. Everything is device-side
+    (topk, no host reads), so a decode step stays capturable. The router, the shared expert's
+    gate and its gate and up projections all read x: one GEMM (a decode step's four
+    projections in one launch)."""
 
     def __init__(self, c: Qwen35MoeConfig) -> None:
         super().__init__()
