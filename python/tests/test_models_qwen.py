@@ -160,9 +160,15 @@ def test_prefill_and_64_greedy_steps_match_transformers_fp32(tied):
     """Eager fp32 state, fp32 on the CPU: the prompt's logits (100 tokens: two chunks of the
     scan and a partial one), then 64 greedy steps with the same tokens chosen, each step's
     logits against transformers' cached decoding."""
-    model = tiny_model(seed=1, tie_word_embeddings=tied)
+    check_matches_transformers_fp32(tiny_model(seed=1, tie_word_embeddings=tied))
+
+
+def check_matches_transformers_fp32(model, twin=None):
+    """An fp32 model on the CPU against its transformers twin (``twin``, default
+    :func:`hf_twin`): a 100-token prompt's logits, then 64 greedy steps choosing the same
+    tokens, within FP32_TOL."""
     tokens = prompt(100)
-    first_ref, steps_ref, fed_ref = hf_run(hf_twin(model), tokens, 64)
+    first_ref, steps_ref, fed_ref = hf_run((twin or hf_twin)(model), tokens, 64)
     first, steps, fed = our_run(model, "eager-fp32", tokens, 64)
     assert mu.rel_err(first, first_ref) < FP32_TOL
     assert fed == fed_ref

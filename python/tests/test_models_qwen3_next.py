@@ -26,10 +26,9 @@ from replayssm.models.loader import read_tensors  # noqa: E402
 
 import models_util as mu  # noqa: E402
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
-from test_models_qwen import (FP32_TOL, MODE_TOL, hf_run, our_run, prompt,  # noqa: E402
-                              run_err, same_prefill,
-                              check_bf16_error_within_twice_transformers, state_mode_runs,
-                              step_errors)
+from test_models_qwen import (  # noqa: E402
+    MODE_TOL, check_bf16_error_within_twice_transformers, check_matches_transformers_fp32,
+    our_run, prompt, same_prefill, state_mode_runs, step_errors)
 from test_models_qwen_moe import BLOCK_TOL, FLIP_BOUND, FLIPPED_STEPS  # noqa: E402
 
 #: Layouts compared with transformers: sparse blocks everywhere (the 80B's), dense MLPs in
@@ -221,13 +220,7 @@ def test_prefill_and_64_greedy_steps_match_transformers_fp32(layout):
     prompt 8.4e-6, 1.5e-5, 4.5e-6, 3.0e-6 and steps 4.2e-6, 4.5e-6, 4.5e-6, 5.3e-7 (sparse,
     dense-layers, no-renormalise, tied)."""
     overrides = dict(tie_word_embeddings=True) if layout == "tied" else LAYOUTS[layout]
-    model = tiny_next(seed=1, **overrides)
-    tokens = prompt(100)
-    first_ref, steps_ref, fed_ref = hf_run(hf_twin(model), tokens, 64)
-    first, steps, fed = our_run(model, "eager-fp32", tokens, 64)
-    assert mu.rel_err(first, first_ref) < FP32_TOL
-    assert fed == fed_ref
-    assert run_err(steps, steps_ref) < FP32_TOL
+    check_matches_transformers_fp32(tiny_next(seed=1, **overrides), hf_twin)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=mu.DEVICES[1].marks)])

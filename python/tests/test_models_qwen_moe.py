@@ -25,10 +25,9 @@ from replayssm.models.loader import read_tensors  # noqa: E402
 
 import models_util as mu  # noqa: E402
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
-from test_models_qwen import (FP32_TOL, MODE_TOL, hf_run, hf_twin, our_run,  # noqa: E402
-                              prompt, run_err, same_prefill,
-                              check_bf16_error_within_twice_transformers, state_mode_runs,
-                              step_errors)
+from test_models_qwen import (  # noqa: E402
+    MODE_TOL, check_bf16_error_within_twice_transformers, check_matches_transformers_fp32,
+    hf_twin, prompt, same_prefill, state_mode_runs, step_errors)
 
 #: The sparse block alone against transformers' (same input, same weights): fp32 sums of a few
 #: dozen terms in another order (measured 1.6e-7); bf16 rounds the products, the activation and
@@ -114,13 +113,7 @@ def test_prefill_and_64_greedy_steps_match_transformers_fp32(tied):
     scan and a partial one), then 64 greedy steps with the same tokens chosen, each step's
     logits against transformers' cached decoding. Measured (untied) 8.4e-6 over the prompt,
     4.2e-6 over the steps."""
-    model = tiny_moe(seed=1, tie_word_embeddings=tied)
-    tokens = prompt(100)
-    first_ref, steps_ref, fed_ref = hf_run(hf_twin(model), tokens, 64)
-    first, steps, fed = our_run(model, "eager-fp32", tokens, 64)
-    assert mu.rel_err(first, first_ref) < FP32_TOL
-    assert fed == fed_ref
-    assert run_err(steps, steps_ref) < FP32_TOL
+    check_matches_transformers_fp32(tiny_moe(seed=1, tie_word_embeddings=tied))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=mu.DEVICES[1].marks)])
