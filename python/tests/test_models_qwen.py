@@ -71,7 +71,12 @@ def hf_twin(model):
         # The experts class's own loop (one expert at a time, summed in the activations'
         # dtype), not whichever kernel the installed PyTorch lets transformers pick.
         config._experts_implementation = "eager"
-    hf = getattr(transformers, cls)(config)
+    return with_our_weights(getattr(transformers, cls)(config), model)
+
+
+def with_our_weights(hf, model):
+    """transformers' model ``hf`` given ``model``'s weights (its state_dict, every name
+    matched), device and dtype."""
     missing, unexpected = hf.load_state_dict(
         {k: v.float().cpu() for k, v in model.state_dict().items()}, strict=False)
     assert not missing and not unexpected, (missing, unexpected)

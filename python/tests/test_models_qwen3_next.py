@@ -28,7 +28,7 @@ import models_util as mu  # noqa: E402
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
 from test_models_qwen import (  # noqa: E402
     MODE_TOL, check_bf16_error_within_twice_transformers, check_matches_transformers_fp32,
-    our_run, prompt, same_prefill, state_mode_runs, step_errors)
+    our_run, prompt, same_prefill, state_mode_runs, step_errors, with_our_weights)
 from test_models_qwen_moe import BLOCK_TOL, FLIP_BOUND, FLIPPED_STEPS  # noqa: E402
 
 #: Layouts compared with transformers: sparse blocks everywhere (the 80B's), dense MLPs in
@@ -64,16 +64,7 @@ def hf_twin(model):
     """transformers' Qwen3NextForCausalLM with ``model``'s weights (its state_dict: the fused
     projections in transformers' order), device and dtype."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.Qwen3NextForCausalLM(hf_config(model.config))
-    missing, unexpected = hf.load_state_dict(
-        {k: v.float().cpu() for k, v in model.state_dict().items()}, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    w = model.lm_head.weight
-    hf = hf.to(device=w.device, dtype=w.dtype).eval()
-    # As test_models_qwen's hf_twin: fp32 inverse frequencies, as from_pretrained keeps them.
-    rot = hf.model.rotary_emb
-    rot.inv_freq = rot.compute_default_rope_parameters(hf.config, w.device)[0]
-    return hf
+    return with_our_weights(transformers.Qwen3NextForCausalLM(hf_config(model.config)), model)
 
 
 def hf_block(block, config):
