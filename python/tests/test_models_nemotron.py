@@ -3,6 +3,7 @@ mode against eager fp32, speculative windows against single steps, the loader on
 save_pretrained output, and rows independent of their batch. Tiny configs; fp32 on the CPU,
 bf16 (and fp32) on the GPU (marker ``cuda``)."""
 
+import contextlib
 import json
 import random
 
@@ -63,11 +64,18 @@ def test_prefill_and_64_decode_steps_match_transformers(where):
     check_matches_transformers(tiny_model(device, dtype))
 
 
-def check_matches_transformers(model, steps=64):
-    """``model`` against hf_twin(model): a prompt's logits, then ``steps`` greedy steps."""
+def check_matches_transformers(model, steps=64, pinned=None):
+    """``model`` against hf_twin(model): a prompt's logits, then ``steps`` greedy steps, run
+    within ``pinned(hf)`` where given (a context manager: the MoE layouts' routing)."""
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     tol = 1e-5 if dtype == torch.float32 else mu.BF16_ACTIVATIONS_TOLERANCE
     hf = hf_twin(model)
+    with pinned(hf) if pinned else contextlib.nullcontext():
+        _check_matches(model, hf, steps, tol)
+
+
+def _check_matches(model, hf, steps, tol):
+    device = model.lm_head.weight.device
     prompt = prompts(device)[0]
     with torch.no_grad():
         out = hf(prompt[None], use_cache=True)

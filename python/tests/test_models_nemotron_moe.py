@@ -45,15 +45,51 @@ def moe_layers(model):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("where", mu.DEVICES)
 def test_prefill_and_64_decode_steps_match_transformers(where, variant):
+    """In fp32 the routers run free. In bf16 the two models' hidden states differ by bf16
+    rounding, enough to flip a near tie between experts and move that token's logits by O(1)
+    (seen on the H200: 0.51 at one step, 0.58 on one prompt token, where the dense layout
+    stays within 8e-2); so there each of our routing calls takes the experts transformers
+    chose in the same call, weighted by our own scores, and our own choices must agree with
+    transformers' on all but a few tokens (a wrong router disagrees on most)."""
     device, dtype = where
-    check_matches_transformers(moe_model(variant, device, dtype))
+    model = moe_model(variant, device, dtype)
+    if dtype == torch.float32:
+        check_matches_transformers(model)
+        return
+    disagreeing = []
+    check_matches_transformers(model, pinned=lambda hf: pinned_to_transformers(
+        model, hf, disagreeing))
+    calls = len(moe_layers(model)) * (1 + 64)
+    tokens = len(moe_layers(model)) * (prompts(device)[0].numel() + 64)
+    assert len(disagreeing) == calls
+    assert sum(disagreeing) <= 0.05 * tokens, f"{sum(disagreeing)} of {tokens} choices differ"
 
 
 @contextlib.contextmanager
-def routing(model, record=None, replay=None):
+def pinned_to_transformers(model, hf, disagreeing):
+    """Within: our MoE layers take, call by call, the experts the same layer of ``hf`` chose in
+    its last call (transformers' NemotronHTopkRouter returns logits, weights, ids); each call
+    appends to ``disagreeing`` how many tokens our router would have sent elsewhere."""
+    routers = [m for m in hf.modules() if type(m).__name__ == "NemotronHTopkRouter"]
+    chosen = {layer: [] for layer in range(len(routers))}
+    hooks = [router.register_forward_hook(
+        lambda module, args, out, layer=layer: chosen[layer].append(out[2]))
+        for layer, router in enumerate(routers)]
+    try:
+        with routing(model, replay=chosen, disagreeing=disagreeing):
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def routing(model, record=None, replay=None, disagreeing=None):
     """Within: each MoE layer's routers' expert ids appended to ``record[layer]`` call by call,
-    or, with ``replay`` (an earlier run's ``record``), each call's ids taken from it in turn,
-    weighted by this run's own scores (gathered, normalised and scaled as the router does)."""
+    or, with ``replay`` (an earlier run's ``record``, or one filled as the calls come), each
+    call's ids taken from it in turn, weighted by this run's own scores (gathered, normalised
+    and scaled as the router does); ``disagreeing`` gets, per replayed call, the number of
+    tokens whose own choice (as a set) was another."""
     gates = [m.gate for m in moe_layers(model)]
     for layer, gate in enumerate(gates):
         original = gate.forward
@@ -65,8 +101,10 @@ def routing(model, record=None, replay=None):
             if record is not None:
                 record[layer].append(ids)
                 return ids, weights
-            ids = replay[layer].pop(0)
-            assert ids.shape == weights.shape
+            own, ids = ids, replay[layer].pop(0).view(ids.shape)
+            if disagreeing is not None:
+                differs = own.sort(-1).values != ids.sort(-1).values
+                disagreeing.append(int(differs.any(-1).sum()))
             c = gate.cfg
             weights = F.linear(x.float(), gate.weight.float()).sigmoid().gather(-1, ids)
             if c.norm_topk_prob:
