@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from replayssm import models  # noqa: E402
-from replayssm.models import ServingCache, StateMode  # noqa: E402
+from replayssm.models import ServingCache  # noqa: E402
 from replayssm.models.loader import read_tensors  # noqa: E402
 from replayssm.models.nemotron_h import NemotronHConfig, NemotronHModel, ssd_chunk_scan  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_prefill_and_64_decode_steps_match_transformers(where):
 def check_matches_transformers(model, steps=64, pinned=None):
     """``model`` against hf_twin(model): a prompt's logits, then ``steps`` greedy steps, run
     within ``pinned(hf)`` where given (a context manager: the MoE layouts' routing)."""
-    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    dtype = model.lm_head.weight.dtype
     tol = 1e-5 if dtype == torch.float32 else mu.BF16_ACTIVATIONS_TOLERANCE
     hf = hf_twin(model)
     with pinned(hf) if pinned else contextlib.nullcontext():
