@@ -335,8 +335,13 @@ def test_merged_projections_view_one_weight_and_follow_changes():
     a, b = torch.nn.Linear(6, 4), torch.nn.Linear(6, 3)
     merged = MergedLinear(a, b)
     x = torch.randn(5, 6, generator=gen)
-    for got, module in zip(merged(x), (a, b)):
+    outs = merged(x)
+    assert len(outs) == 2
+    for got, module in zip(outs, (a, b)):
         torch.testing.assert_close(got, module(x))
+    # 7 output columns padded to 8 (16-byte rows for cuBLAS's fast kernels), the pad left out.
+    assert outs[0].stride(0) == 8 and merged._weight.shape == (8, 6)
+    assert not merged._weight[7].any() and not merged._bias[7]
     # The modules' weights now view the merged one (no second copy), so a load into a module's
     # weight reaches it.
     assert b.weight.data_ptr() == a.weight.data_ptr() + 4 * 6 * a.weight.element_size()

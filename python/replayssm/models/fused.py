@@ -18,6 +18,9 @@ path (the CPU path and the reference, in base.py and the families) runs several.
   Qwen3.5's gated attention output (o * sigmoid(gate)), likewise.
 - :func:`rope`: Qwen3.5's partial rotary embedding of q or k: one launch against the torch
   path's two concatenations, three products and a sum.
+- :func:`weighted_rows_sum`: a mixture-of-experts layer's output, each token's k expert
+  products (rows of one tensor, in expert order) weighted and summed: one launch that reads
+  the rows once, against the torch path's gather, two conversions, product and sum.
 
 Rounding. Each kernel rounds where the torch path rounds: the conv accumulates in the weight's
 dtype with a rounding after every multiply and add, as the torch path's bf16 arithmetic does;
@@ -46,7 +49,7 @@ except ImportError:  # CPU-only installs: the torch path serves every call
     triton = None
 
 __all__ = ["add_rms_norm", "available", "conv_decode", "gdn_gates", "relu_square", "rms_norm",
-           "rope", "sigmoid_mul", "silu_mul"]
+           "rope", "sigmoid_mul", "silu_mul", "weighted_rows_sum"]
 
 _ENABLED = os.environ.get("REPLAYSSM_FUSED", "1") != "0"
 _ACTIVATION_BLOCK = 1024
@@ -229,6 +232,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def weighted_rows_sum(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                      accumulate: torch.dtype) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[rows[t, j]] for y [P, H], rows and weights [T, k]: a
+    contiguous [T, H] tensor in y's dtype. Rounded as the torch path's ``(y[rows].to(acc) *
+    weights[..., None].to(acc)).sum(1)`` with ``accumulate`` (acc) fp32 or y's dtype: each
+    term in acc, the sum in fp32 (as torch sums a bf16 tensor), then to y's dtype."""
+    T, k = weights.shape
+    H = y.shape[-1]
+    if rows.shape != weights.shape or y.dim() != 2 or accumulate not in (torch.float32, y.dtype):
+        raise ValueError(f"weighted_rows_sum: y {tuple(y.shape)} {y.dtype}, rows "
+                         f"{tuple(rows.shape)}, weights {tuple(weights.shape)}, accumulate "
+                         f"{accumulate} (fp32 or y's dtype)")
+    y, rows, weights = y.contiguous(), rows.contiguous(), weights.contiguous()
+    out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    grid = (T, triton.cdiv(H, _ACTIVATION_BLOCK))
+    _weighted_rows_sum_kernel[grid](y, rows, weights, out, H, K=k,
+                                    ROUND_TERMS=accumulate != torch.float32,
+                                    BLOCK=_ACTIVATION_BLOCK)
+    return out
+
+
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     t = t.reshape(-1, n)
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -407,6 +431,24 @@ if triton is not None:
             other = tl.load(other_ptr + row * stride_other + c, mask=live, other=0.0)
             y = a.to(x.dtype).to(tl.float32) * other.to(tl.float32)
         tl.store(out_ptr + row * N + c, y.to(x.dtype), mask=live)
+
+    @triton.jit
+    def _weighted_rows_sum_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr,
+                                  ROUND_TERMS: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = c < H
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(rows_ptr + t * K + j).to(tl.int64)
+            y = tl.load(y_ptr + row * H + c, mask=live, other=0.0)
+            w = tl.load(w_ptr + t * K + j)
+            if ROUND_TERMS:  # each term in y's dtype, as torch's product of two such tensors
+                term = (w.to(y.dtype).to(tl.float32) * y.to(tl.float32)).to(y.dtype)
+            else:
+                term = w.to(tl.float32) * y.to(tl.float32)
+            total += term.to(tl.float32)
+        tl.store(out_ptr + t * H + c, total.to(y.dtype), mask=live)
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, R: tl.constexpr,

@@ -11,6 +11,11 @@ views it (the model moved to another device or dtype, or a parameter was replace
 merges again. The product is the same dot products as the separate projections'; cuBLAS may
 order a dot product's sum differently for another output width, so results agree to the
 activations' rounding, not bit for bit.
+
+The merged weight gets zero rows up to a multiple of 16 bytes of output, whose columns the
+outputs leave out: cuBLAS takes its fast kernels only for 16-byte aligned rows. Qwen3.5-35B-A3B's
+router, shared-expert gate and shared expert (256 + 1 + 2 x 512 = 1281 columns) otherwise ran
+an align-1 kernel of 39 µs per layer at batch 512 on an H200, 3.5% of the step.
 """
 
 from __future__ import annotations
@@ -42,12 +47,17 @@ class MergedLinear:
         if self._linears[0].bias is not None and (self._bias is None or
                                                   not self._viewed(self._bias, "bias")):
             self._bias = self._merge("bias")
-        return F.linear(x, self._weight, self._bias).split(self.sizes, -1)
+        out = F.linear(x, self._weight, self._bias)
+        return out.split(self.sizes + [out.shape[-1] - sum(self.sizes)], -1)[:-1]
 
     def _merge(self, name: str) -> torch.Tensor:
         parts = [getattr(m, name) for m in self._linears]
+        rows = sum(self.sizes)
+        per_16_bytes = max(1, 16 // parts[0].element_size())
+        pad = -rows % per_16_bytes
         with torch.no_grad():
-            merged = torch.cat([p.detach() for p in parts])
+            merged = torch.cat([p.detach() for p in parts] +
+                               [parts[0].new_zeros((pad,) + tuple(parts[0].shape[1:]))])
         row = 0
         for p in parts:
             p.data = merged[row:row + p.shape[0]]

@@ -19,12 +19,20 @@ A token's k results are summed in its routing slots' order (in ``accumulate`` dt
 atomic adds, so a step gives the same bits run after run; transformers sums them by expert with
 ``index_add_``, the same terms in another order (within the dtype's rounding). As with any matrix
 product, the rounding of a token's products may vary with how many rows share its group.
+
+On a GPU (:func:`replayssm.models.fused.available`) the activation and the weighted sum are
+Triton kernels: the sum gathers each token's k rows of the sorted products and writes the
+token's output in one launch, where the torch path converts, multiplies, scatters back to token
+order and sums (five launches through fp32 copies of all T*k rows: 1.5-2.5 ms of a 25-45 ms step
+of the 30B-A3B layouts at batch 256-512 on an H200).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import fused
 
 __all__ = ["ACTIVATIONS", "routed_experts"]
 
@@ -34,10 +42,10 @@ ACTIVATIONS = ("relu2", "swiglu")
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu2":
-        return torch.relu(h).square()
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    gate, up = (h, None) if activation == "relu2" else h.chunk(2, dim=-1)
+    if fused.available(h):
+        return fused.relu_square(h) if up is None else fused.silu_mul(gate, up)
+    return torch.relu(h).square() if up is None else F.silu(gate) * up
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -76,17 +84,21 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: to
                          f"{tuple(expert_weights.shape)} must both be [{T}, k]")
     k = expert_ids.shape[1]
     accumulate = accumulate or x.dtype
-    flat = expert_ids.reshape(-1)
+    flat = expert_ids.reshape(-1).to(torch.int64)
     order = torch.argsort(flat, stable=True)        # pairs by expert, tokens in order within
+    # position[pair] = its row in the sorted order (order's inverse), to gather the products back
+    position = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=x.device))
     # Group ends from counts, on the device (no host synchronisation in a captured step).
     counts = torch.zeros(E, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
     rows = x[order // k]                            # [T*k, H], sorted by expert
     row_experts = flat[order]
     h = _activate(_grouped_linear(rows, up, ends, row_experts), activation)
     y = _grouped_linear(h, down, ends, row_experts)  # [T*k, H], rounded to x's dtype
-    weighted = y.to(accumulate) * expert_weights.reshape(-1)[order, None].to(accumulate)
-    pairs = torch.empty_like(weighted)
-    pairs[order] = weighted                         # back to (token, slot) order
-    return pairs.view(T, k, H).sum(dim=1).to(x.dtype)
+    if fused.available(y):
+        return fused.weighted_rows_sum(y, position.view(T, k), expert_weights, accumulate)
+    by_token = y[position].view(T, k, H)            # back to (token, slot) order
+    weighted = by_token.to(accumulate) * expert_weights[..., None].to(accumulate)
+    return weighted.sum(dim=1).to(x.dtype)
