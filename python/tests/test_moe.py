@@ -175,7 +175,8 @@ def test_fused_sum_refuses_bad_arguments():
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("shape", [dict(H=2688, I=1856, E=128, k=6), dict(H=2048, I=512, E=256, k=8)],
+@pytest.mark.parametrize("shape", [dict(H=2688, I=1856, E=128, k=6),
+                                   dict(H=2048, I=512, E=256, k=8)],
                          ids=["nemotron-30b-a3b", "qwen3.5-35b-a3b"])
 def test_fused_path_on_gpu_at_real_widths(shape):
     """Batch 256, bf16 (both routing slots' widths of the 30B-A3B layouts): against the oracle
