@@ -1,7 +1,9 @@
 """Helpers shared by the model families' tests (replayssm.models): where and in which dtype a
 test runs, the tolerance of each state mode, tiny models and draft models, relative errors,
-single-threaded CPU runs, Triton kernels run on the CPU through Triton's interpreter."""
+single-threaded CPU runs, Triton kernels run on the CPU through Triton's interpreter, mixture-of-
+experts routing pinned to another run's choices."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -75,6 +77,47 @@ def rel_err(got, ref) -> float:
     """max |got - ref| / max |ref|, in float64."""
     got, ref = got.double(), ref.double()
     return float((got - ref).abs().max() / ref.abs().max())
+
+
+@contextlib.contextmanager
+def pinned_routing(routers, weights_of, record=None, replay=None, disagreeing=None,
+                   method="forward"):
+    """Within: each router's ``method`` (x -> (expert ids [T, k], weights [T, k]), patched on
+    the instance) appends its ids to ``record[layer]`` call by call (``layer``: the router's
+    index in ``routers``); or, with ``replay`` (an earlier run's ``record``, or one filled as
+    the calls come), takes each call's ids from ``replay[layer]`` in turn, weighted by
+    ``weights_of(router, x, ids)``: this run's own scores for those experts, as the router
+    weighs its own choice. ``disagreeing`` gets, per replayed call, the number of tokens whose
+    own choice (as a set) was another.
+
+    Why: a choice is discontinuous. Two runs that differ by rounding (a lossy state, bf16
+    against fp32, another implementation) can flip a near tie between experts and move that
+    token's output by O(1); pinned, a comparison measures the rounding, and a wrong
+    computation still errs by O(1)."""
+    patched = []
+    try:
+        for layer, router in enumerate(routers):
+            original = getattr(router, method)
+            if record is not None:
+                record[layer] = []
+
+            def pinned(x, layer=layer, router=router, original=original):
+                ids, weights = original(x)
+                if record is not None:
+                    record[layer].append(ids)
+                    return ids, weights
+                own, ids = ids, replay[layer].pop(0).view(ids.shape)
+                if disagreeing is not None:
+                    differs = own.sort(-1).values != ids.sort(-1).values
+                    disagreeing.append(int(differs.any(-1).sum()))
+                return ids, weights_of(router, x, ids)
+
+            setattr(router, method, pinned)
+            patched.append(router)
+        yield
+    finally:
+        for router in patched:
+            delattr(router, method)
 
 
 @pytest.fixture(autouse=True)

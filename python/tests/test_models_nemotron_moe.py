@@ -83,40 +83,21 @@ def pinned_to_transformers(model, hf, disagreeing):
             hook.remove()
 
 
-@contextlib.contextmanager
 def routing(model, record=None, replay=None, disagreeing=None):
-    """Within: each MoE layer's routers' expert ids appended to ``record[layer]`` call by call,
-    or, with ``replay`` (an earlier run's ``record``, or one filled as the calls come), each
-    call's ids taken from it in turn, weighted by this run's own scores (gathered, normalised
-    and scaled as the router does); ``disagreeing`` gets, per replayed call, the number of
-    tokens whose own choice (as a set) was another."""
-    gates = [m.gate for m in moe_layers(model)]
-    for layer, gate in enumerate(gates):
-        original = gate.forward
-        if record is not None:
-            record[layer] = []
+    """mu.pinned_routing over ``model``'s MoE routers (record, or replay weighted by
+    :func:`router_weights`), one layer per MoE layer."""
+    return mu.pinned_routing([m.gate for m in moe_layers(model)], router_weights, record,
+                             replay, disagreeing)
 
-        def forward(x, layer=layer, gate=gate, original=original):
-            ids, weights = original(x)
-            if record is not None:
-                record[layer].append(ids)
-                return ids, weights
-            own, ids = ids, replay[layer].pop(0).view(ids.shape)
-            if disagreeing is not None:
-                differs = own.sort(-1).values != ids.sort(-1).values
-                disagreeing.append(int(differs.any(-1).sum()))
-            c = gate.cfg
-            weights = F.linear(x.float(), gate.weight.float()).sigmoid().gather(-1, ids)
-            if c.norm_topk_prob:
-                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            return ids, weights * c.routed_scaling_factor
 
-        gate.forward = forward
-    try:
-        yield
-    finally:
-        for gate in gates:
-            del gate.forward
+def router_weights(gate, x, ids):
+    """The weights ``gate`` (_Router) gives experts ``ids`` for tokens ``x``: their unbiased
+    sigmoid scores, normalised where norm_topk_prob, times routed_scaling_factor."""
+    c = gate.cfg
+    weights = F.linear(x.float(), gate.weight.float()).sigmoid().gather(-1, ids)
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * c.routed_scaling_factor
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
