@@ -398,7 +398,8 @@ def top_kernel_lines(row: dict[str, Any], label: str) -> list[str]:
 
 def plot(path: str, out: str | None) -> str:
     """Draws a run's JSON: per layout, each replay mode's speedup over eager-fp32 against batch
-    (staggered, synchronized), and the step's breakdown at the largest batch (staggered)."""
+    (a panel for each of staggered and synchronized starts that the run has), and the step's
+    breakdown at the largest batch (staggered)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -407,12 +408,15 @@ def plot(path: str, out: str | None) -> str:
     with open(path) as f:
         runs = json.load(f)["runs"]
     layouts = list(dict.fromkeys(r["layout"] for r in runs))
-    fig, axes = plt.subplots(len(layouts), 3, figsize=(16, 4.2 * len(layouts)), squeeze=False)
+    starts_run = [s for s in STARTS if any(r["starts"] == s for r in runs)]  # a panel each
+    fig, axes = plt.subplots(len(layouts), len(starts_run) + 1,
+                             figsize=(6.4 * (len(starts_run) + 1), 4.2 * len(layouts)),
+                             squeeze=False)
     colors = {c: plt.cm.tab10(i) for i, c in enumerate(CLASSES)}
     for row, layout in zip(axes, layouts):
         mine = [r for r in runs if r["layout"] == layout]
         modes = list(dict.fromkeys(r["mode"] for r in mine))
-        for ax, starts in zip(row[:2], STARTS):
+        for ax, starts in zip(row[:-1], starts_run):
             for mode in modes:
                 pts = sorted((r["batch"], r["speedup_vs_eager_fp32"]) for r in mine
                              if r["mode"] == mode and r["starts"] == starts
@@ -431,7 +435,7 @@ def plot(path: str, out: str | None) -> str:
             ax.set_ylabel("tokens/s vs eager-fp32")
             ax.set_title(f"{layout}, {starts} starts")
             ax.legend(fontsize=7)
-        ax = row[2]
+        ax = row[-1]
         largest = max(r["batch"] for r in mine)
         bars = [r for r in mine if r["batch"] == largest and r["starts"] == "staggered"
                 and "breakdown" in r]
