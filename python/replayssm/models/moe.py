@@ -85,7 +85,11 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: to
     k = expert_ids.shape[1]
     accumulate = accumulate or x.dtype
     flat = expert_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)        # pairs by expert, tokens in order within
+    # Pairs by expert, tokens in order within; sorted on the narrowest integer type that holds
+    # an expert id: PyTorch's radix sort takes fewer passes (H200, 1536-4096 pairs in a CUDA
+    # graph: 16-18 µs on int16 keys against 31-37 µs on int64; bench/moe_sort_sweep.py).
+    keys = flat.to(torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32)
+    order = torch.argsort(keys, stable=True)
     # position[pair] = its row in the sorted order (order's inverse), to gather the products back
     position = torch.empty_like(order).scatter_(
         0, order, torch.arange(order.numel(), device=x.device))
