@@ -144,6 +144,27 @@ _INTERPRETER_PRELUDE = textwrap.dedent("""
 """)
 
 
+#: Triton 3.6's interpreter truncates float32 to bf16 (half of all casts differ from round to
+#: nearest even), so a bf16 result of a fused kernel may be a rounding or two further off there
+#: than on the GPU.
+INTERPRETER_BF16_TOL = 2.0 ** -4
+
+
+def both_paths(fn):
+    """fn() with the fused kernels (replayssm.models.fused) off, then on: (on, off)."""
+    from replayssm.models import fused
+
+    saved = fused._ENABLED
+    try:
+        fused._ENABLED = False
+        ref = fn()
+        fused._ENABLED = True
+        got = fn()
+    finally:
+        fused._ENABLED = saved
+    return got, ref
+
+
 def run_in_triton_interpreter(script: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs ``script`` in a new Python process under Triton's interpreter (Triton kernels on CPU
     tensors, through NumPy; it must be switched on before triton is imported, hence a process),

@@ -29,9 +29,8 @@ import models_util as mu  # noqa: E402
 from models_util import one_cpu_thread  # noqa: E402,F401  (autouse)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -6}
-#: Triton 3.6's interpreter truncates float32 to bf16 (half of all casts differ from round to
-#: nearest even), so in bf16 the conv's 2K + 2 roundings may each be 1 ulp off there.
-INTERPRETER_BF16_TOL = 2.0 ** -4
+#: mu.INTERPRETER_BF16_TOL: in bf16 the conv's 2K + 2 roundings may each be 1 ulp off there.
+INTERPRETER_BF16_TOL = mu.INTERPRETER_BF16_TOL
 
 #: (rows, hidden, mamba intermediate, groups, conv channels, GDN value heads x head dim).
 TINY = dict(rows=3, hidden=48, inner=64, groups=2, conv=80, heads=2, head_dim=16, B=3)
@@ -43,19 +42,6 @@ REAL = dict(rows=256, hidden=3136, inner=7680, groups=8, conv=9728, heads=32, he
 def err(got, ref):
     got, ref = got.detach().float(), ref.detach().float()
     return float((got - ref).abs().max() / ref.abs().max())
-
-
-def both_paths(fn):
-    """fn() with the fused kernels off, then on."""
-    saved = fused._ENABLED
-    try:
-        fused._ENABLED = False
-        ref = fn()
-        fused._ENABLED = True
-        got = fn()
-    finally:
-        fused._ENABLED = saved
-    return got, ref
 
 
 def check_norms(device, dtype, s):
@@ -91,7 +77,7 @@ def check_norms(device, dtype, s):
              "qwen-add": lambda: torch.cat(qn.add(h, delta), -1)}
     worst = {}
     for name, fn in cases.items():
-        got, ref = both_paths(fn)
+        got, ref = mu.both_paths(fn)
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         worst[name] = err(got, ref)
     return worst
@@ -107,7 +93,7 @@ def check_gates(device, dtype, s):
             p.copy_(3 * torch.randn(p.shape, generator=gen))
     x = torch.randn(s["rows"], 1, 32, generator=gen).to(device, dtype)
     _, _, b, a = m.project(x)  # column slices of one GEMM's output: strided rows
-    (g, beta), (g_ref, beta_ref) = both_paths(lambda: m.gates(a, b))
+    (g, beta), (g_ref, beta_ref) = mu.both_paths(lambda: m.gates(a, b))
     assert g.dtype == beta.dtype == torch.float32 and g.shape == g_ref.shape
     return max(err(g, g_ref), err(beta, beta_ref))
 
@@ -131,7 +117,7 @@ def check_activations(device, dtype, s):
                      "relu_square": lambda: nh._MLP.activation(gate),
                      "sigmoid_mul": lambda: attention.output_gate(x, up[..., :H * D]),
                      "rope": lambda: qw._rotate(x, cos, sin)}.items():
-        got, ref = both_paths(fn)
+        got, ref = mu.both_paths(fn)
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         worst[name] = err(got, ref)
     return worst
@@ -195,7 +181,7 @@ def check_models(device, dtype, steps=5):
                 out.append(logits[:2])
                 tok = logits.argmax(-1)
             return torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
-        got, ref = both_paths(run)
+        got, ref = mu.both_paths(run)
         worst[name] = err(got, ref)
     return worst
 
