@@ -57,12 +57,15 @@ def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.device.type == "cpu" or x.dtype == torch.bfloat16
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
-                    row_experts: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` [P, in] sorted by expert (row i's is ``row_experts[i]``; expert e's rows
-    end at ``ends[e]``), each times its expert's ``weight[e]`` [out, in] transposed: [P, out]."""
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [P, in] sorted by expert (expert e's rows end at ``ends[e]``), each times
+    its expert's ``weight[e]`` [out, in] transposed: [P, out]."""
     if _grouped_mm_fits(x, weight):
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    # Every expert over every row, each row keeping its own expert's product: the fallback's
+    # row -> expert map is derived here, so the grouped product's path computes none of it.
+    rows = torch.arange(x.shape[0], device=x.device, dtype=ends.dtype)
+    row_experts = torch.bucketize(rows, ends, right=True)
     out = x.new_zeros(x.shape[0], weight.shape[1])
     for e in range(weight.shape[0]):
         out = torch.where(row_experts[:, None] == e, F.linear(x, weight[e]), out)
@@ -99,9 +102,8 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: to
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
     rows = x[order // k]                            # [T*k, H], sorted by expert
-    row_experts = flat[order]
-    h = _activate(_grouped_linear(rows, up, ends, row_experts), activation)
-    y = _grouped_linear(h, down, ends, row_experts)  # [T*k, H], rounded to x's dtype
+    h = _activate(_grouped_linear(rows, up, ends), activation)
+    y = _grouped_linear(h, down, ends)  # [T*k, H], rounded to x's dtype
     if fused.available(y):
         return fused.weighted_rows_sum(y, position.view(T, k), expert_weights, accumulate)
     by_token = y[position].view(T, k, H)            # back to (token, slot) order
