@@ -47,6 +47,10 @@ struct BenchOptions {
   std::vector<std::string> shapes = {"nano4b", "super120b", "qwen35-4b", "qwen35-122b"};
   std::vector<int> batches = {16, 64};
   int buffer_len = 16;  ///< L
+  /// Replay decodes' fold cadence (ops.h, fold_every; 0 = L, the only value on the CPU): a
+  /// plain-decoding cycle is this many steps, and staggered rows this many apart.
+  int fold_every = 0;
+  [[nodiscard]] int fold_period() const { return fold_every > 0 ? fold_every : buffer_len; }
   /// SSM layers of one cache decoded per step, then one commit (CUDA): a model's step commits
   /// once for all its layers, so the protocol's 1 layer charges a whole commit to every layer
   /// step, which at small batches is a large part of it. Times are then per layer step; the
@@ -80,6 +84,7 @@ struct BenchResult {
   DecodeMode mode = DecodeMode::kEager;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  ///< replay only
   int buffer_len = 0;
+  int fold_every = 0;  ///< replay: the decodes' fold cadence (BenchOptions::fold_every)
   FlushPattern flush = FlushPattern::kAligned;
   int slot_groups = 1;       ///< groups of `batch` slots rotated step by step
   int layers = 1;            ///< layers decoded per step (BenchOptions::layers)

@@ -39,6 +39,12 @@ const char* flush_pattern_name(FlushPattern pattern) {
 
 namespace {
 
+// The L column: L, or "F/L" for decodes that fold every F tokens of a cache of L.
+std::string cadence_label(const BenchResult& r) {
+  const std::string L = std::to_string(r.buffer_len);
+  return r.fold_every > 0 ? std::to_string(r.fold_every) + "/" + L : L;
+}
+
 std::string mode_label(const BenchResult& r) {
   if (r.mode == DecodeMode::kEager) return "eager";
   return std::string("replay ") + checkpoint_precision_name(r.checkpoint);
@@ -47,12 +53,12 @@ std::string mode_label(const BenchResult& r) {
 // The protocol's cases, one line each, then what the columns mean.
 void protocol_print(const BenchReport& report, std::FILE* out) {
   const bool streams = report.cache_bytes > 0;  // CPU: how far the rotation outsizes the cache
-  std::fprintf(out, "%-12s %6s %-18s %3s %-9s %11s %9s %8s %7s %8s%s\n", "shape", "batch", "mode",
+  std::fprintf(out, "%-12s %6s %-18s %5s %-9s %11s %9s %8s %7s %8s%s\n", "shape", "batch", "mode",
                "L", "flush", "us/step", "MB/step", "GB/s", "%copy", "speedup",
                streams ? "   xLLC" : "");
   for (const BenchResult& r : report.results) {
-    std::fprintf(out, "%-12s %6d %-18s %3d %-9s %11.1f %9.1f %8.1f %6.0f%% %7.2fx", r.shape.c_str(),
-                 r.batch, mode_label(r).c_str(), r.buffer_len, flush_pattern_name(r.flush),
+    std::fprintf(out, "%-12s %6d %-18s %5s %-9s %11.1f %9.1f %8.1f %6.0f%% %7.2fx", r.shape.c_str(),
+                 r.batch, mode_label(r).c_str(), cadence_label(r).c_str(), flush_pattern_name(r.flush),
                  r.us_per_step, r.model_bytes / 1e6, r.gbps, r.pct_of_copy, r.speedup);
     if (streams) std::fprintf(out, " %6.1fx", r.stream_bytes / double(report.cache_bytes));
     std::fprintf(out, "\n");
@@ -80,6 +86,12 @@ void protocol_print(const BenchReport& report, std::FILE* out) {
       "flush    aligned: every row folds on the same step of the cycle; staggered: 1/L of the\n"
       "         rows fold on each step\n",
       report.peak_gbps());
+  if (std::any_of(report.results.begin(), report.results.end(),
+                  [](const BenchResult& r) { return r.fold_every > 0; })) {
+    std::fprintf(out,
+                 "F/L      replay decodes that fold every F tokens (fold_every) on a cache of L: "
+                 "cycles,\n         staggering and the bytes model take F\n");
+  }
   int layers = 1;
   for (const BenchResult& r : report.results) layers = std::max(layers, r.layers);
   if (layers > 1) {
@@ -180,7 +192,7 @@ void bench_finish(BenchReport* report, const BenchOptions& options) {
     c.mode = r.mode;
     c.state_dtype = options.eager_state_dtype;
     c.checkpoint = r.checkpoint;
-    c.buffer_len = r.buffer_len;
+    c.buffer_len = r.fold_every > 0 ? r.fold_every : r.buffer_len;  // tokens per fold
     c.input_dtype = options.input_dtype;
     r.model_bytes = bytes_model_step(c).total();
     r.gbps = r.model_bytes / (r.us_per_step * 1e-6) / 1e9;
@@ -220,6 +232,7 @@ Status bench_write_json(const BenchReport& report, const BenchOptions& options,
                                         ? json(checkpoint_precision_name(r.checkpoint))
                                         : json(nullptr)},
                      {"buffer_len", r.buffer_len},
+                     {"fold_every", r.fold_every},
                      {"flush", flush_pattern_name(r.flush)},
                      {"slot_groups", r.slot_groups},
                      {"layers", r.layers},

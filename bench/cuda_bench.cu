@@ -161,8 +161,10 @@ class CaseRunner {
       : batch_(batch), groups_(groups), layers_(layers), in_(inputs), stream_(stream) {}
 
   // `steps`: the steps of the cycle capture() will record (random acceptance draws that many).
-  Status init(StateCacheConfig config, int window, int accepted, int steps) {
+  // `fold_every`: the replay decodes' fold cadence (ops.h; 0 = the cache's L).
+  Status init(StateCacheConfig config, int window, int accepted, int steps, int fold_every) {
     window_ = window;
+    fold_every_ = fold_every;
     config.num_layers = layers_;
     config.capacity = batch_ * groups_;
     config.device = Device::kCuda;
@@ -238,6 +240,7 @@ class CaseRunner {
     a.D = in_.D.get<const float>();
     a.dt_bias = in_.dt_bias.get<const float>();
     a.y = in_.out.get();
+    a.fold_every = fold_every_;
     for (a.layer = 0; a.layer < layers_; ++a.layer) {
       REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a, stream_));
     }
@@ -250,6 +253,7 @@ class CaseRunner {
 
   int batch_, groups_, layers_;
   int window_ = 1;
+  int fold_every_ = 0;
   const Inputs& in_;
   cudaStream_t stream_;
   std::unique_ptr<StateCache> cache_;
@@ -303,15 +307,19 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   // random_acceptance_steps distinct draws, eager and replay alike (the same pattern), over
   // which every row folds several times on its own cadence; the warm-up launch spreads the
   // rows' fold phases from the aligned start.
+  // Replay cases fold every o.fold_period() tokens (o.fold_every; the spec comparison's
+  // options keep 0).
   const bool random = cs.accepted == kRandomAcceptance;
+  const bool replay = cs.mode == DecodeMode::kReplay;
+  const int period = replay ? o.fold_period() : o.buffer_len;
   const int steps = random ? random_acceptance_steps(cs.window, o.buffer_len)
-                    : cs.mode == DecodeMode::kReplay
-                        ? (o.buffer_len + cs.accepted - 1) / cs.accepted
-                        : o.buffer_len;
+                    : replay ? (period + cs.accepted - 1) / cs.accepted
+                             : o.buffer_len;
   CaseRunner runner(batch, groups, o.layers, inputs, stream.s);
-  REPLAYSSM_RETURN_IF_ERROR(runner.init(config, cs.window, cs.accepted, steps));
-  if (o.flush == FlushPattern::kStaggered && cs.mode == DecodeMode::kReplay) {
-    REPLAYSSM_RETURN_IF_ERROR(runner.stagger(o.buffer_len));
+  REPLAYSSM_RETURN_IF_ERROR(
+      runner.init(config, cs.window, cs.accepted, steps, replay ? o.fold_every : 0));
+  if (o.flush == FlushPattern::kStaggered && replay) {
+    REPLAYSSM_RETURN_IF_ERROR(runner.stagger(period));
   }
   GraphExec exec;  // after the runner: destroyed first, while the buffers it reads still live
   REPLAYSSM_RETURN_IF_ERROR(runner.capture(steps, &exec));
@@ -325,6 +333,7 @@ Status time_case(const BenchShape& shape, int batch, const CaseSpec& cs,
   r->mode = cs.mode;
   r->checkpoint = cs.checkpoint;
   r->buffer_len = o.buffer_len;
+  r->fold_every = replay ? o.fold_every : 0;
   r->flush = o.flush;
   r->slot_groups = groups;
   r->layers = o.layers;
@@ -342,6 +351,9 @@ Status validate(const BenchOptions& o) {
     if (b < 1) return invalid_argument("batch sizes must be >= 1");
   }
   if (o.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
+  if (o.fold_every < 0 || o.fold_every > o.buffer_len) {
+    return invalid_argument("fold_every must be in [1, L], or 0 for L");
+  }
   if (o.layers < 1) return invalid_argument("layers must be >= 1");
   if (!cuda_available()) return unsupported("bench --device cuda: no CUDA GPU present");
   return Status::ok();

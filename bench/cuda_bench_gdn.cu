@@ -103,6 +103,7 @@ struct CaseConfig {
   int window = 1;     ///< T: the tokens each decode verifies (eager: a state copy per token)
   int accepted = 1;   ///< tokens committed per step (k), or kRandomAcceptance
   int buffer_len = 16;
+  int fold_every = 0;  ///< replay decodes' fold cadence (0 = buffer_len)
   int cycle_steps = 16;
   DecodeMode mode = DecodeMode::kReplay;
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;
@@ -155,9 +156,9 @@ class CaseRunner {
   }
 
   /// Staggered flushes: row b is pre-advanced by b mod L tokens (the others padded), so that
-  /// afterwards 1/L of the rows fold on each step.
+  /// afterwards 1/L of the rows fold on each step (L: the fold cadence).
   Status stagger() {
-    const int L = c_.buffer_len;
+    const int L = c_.fold_every > 0 ? c_.fold_every : c_.buffer_len;
     for (int j = 0; j + 1 < L; ++j) {
       for (const auto& ids : host_groups_) {
         std::vector<std::int32_t> masked = ids;
@@ -209,6 +210,7 @@ class CaseRunner {
       a.g = in.g.get<float>();
       a.beta = in.beta.get<float>();
       a.o = out_.get();
+      a.fold_every = c_.fold_every;
       REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a, stream_));
     }
     CommitArgs commit;
@@ -295,7 +297,9 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
       c.batch = batch;
       c.layers = options.layers;
       c.buffer_len = options.buffer_len;
-      c.cycle_steps = options.buffer_len;
+      const bool replay = mode == DecodeMode::kReplay;
+      c.fold_every = replay ? options.fold_every : 0;
+      c.cycle_steps = replay ? options.fold_period() : options.buffer_len;
       c.mode = mode;
       c.checkpoint = p;
       c.state_dtype = options.eager_state_dtype;
@@ -316,6 +320,7 @@ Status run_cuda_bench_gdn(const BenchShape& shape, const BenchOptions& options,
       r.mode = mode;
       r.checkpoint = p;
       r.buffer_len = options.buffer_len;
+      r.fold_every = c.fold_every;
       r.flush = options.flush;
       r.slot_groups = c.groups;
       r.layers = c.layers;

@@ -8,18 +8,21 @@
 // the comparison.
 //
 //   replayssm_cuda_bench [--shapes nano4b,super120b] [--batches 1,4,16,64,256,1024]
-//                        [--L 8,16,32] [--flush staggered,aligned]
+//                        [--L 8,16,32] [--fold-every 0,4] [--flush staggered,aligned]
 //                        [--checkpoints fp32,bf16,fp32+bf16,fp32+fp8]
 //                        [--spec-window 4] [--spec-accepted 4|random] [--spec-batches 64,256]
 //                        [--spec-L 16]
 //                        [--reps 7] [--layers 1] [--json out.json]
 //
+// --fold-every: the replay decodes' fold cadences (StateCache ops, fold_every; 0 = L) run for
+// each L, as "F/L" in the L column.
 // --spec-accepted: the tokens every row commits per verify step, in [0, T] (0: all T), or
 // `random`: k drawn per row and step with a fixed seed, so that every row folds on its own
 // cadence, as the public kernels are timed (bench/spec_acceptance.h). Checked before any work.
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -53,6 +56,11 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", shapes, "Layer shapes")->delimiter(',');
   app.add_option("--batches", batches, "Batch sizes")->delimiter(',')->check(CLI::PositiveNumber);
   app.add_option("--L", buffer_lens, "Buffer lengths")->delimiter(',')->check(CLI::PositiveNumber);
+  std::vector<int> fold_everys = {0};
+  app.add_option("--fold-every", fold_everys,
+                 "Replay decodes' fold cadences (0: L; values above an L are skipped for it)")
+      ->delimiter(',')
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--flush", flushes, "staggered (the default first) and/or aligned")
       ->delimiter(',')
       ->check(CLI::IsMember({"aligned", "staggered"}));
@@ -107,11 +115,22 @@ int main(int argc, char** argv) {
     parse_checkpoint_precision(c, &p);  // checked by IsMember above
     o.checkpoints.push_back(p);
   }
-  BenchReport all;
+  // Every (L, fold cadence) pair, cadences above an L skipped and one equal to it run once.
+  std::vector<std::pair<int, int>> cadences;
   for (int L : buffer_lens) {
+    for (int every : fold_everys) {
+      const std::pair<int, int> c{L, every == L ? 0 : every};
+      if (every <= L && std::find(cadences.begin(), cadences.end(), c) == cadences.end()) {
+        cadences.push_back(c);
+      }
+    }
+  }
+  BenchReport all;
+  for (const auto& [L, every] : cadences) {
     for (const std::string& f : flushes) {
       BenchOptions run = o;
       run.buffer_len = L;
+      run.fold_every = every;
       run.flush = f == "staggered" ? FlushPattern::kStaggered : FlushPattern::kAligned;
       BenchReport report;
       if (Status s = run_cuda_bench(run, &report); !s.is_ok()) return fail(s);

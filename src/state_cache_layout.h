@@ -66,6 +66,9 @@ struct StateCacheLayout {
   StateDims dims;
   CheckpointTraits ckpt;  // of config.checkpoint (replay caches)
   int ring_capacity = 0;  // power of two; 0 for eager caches
+  // A decode's fold cadence (ops.h, fold_every; 0 = config.buffer_len): set on the copy of the
+  // layout one decode runs on (ops.cpp), never on the cache's own.
+  int fold_every = 0;
   std::int64_t total_bytes = 0;
 
   // Eager: the state, [layer][slot][copy][heads, rows, cols] in config.state_dtype, with
@@ -198,8 +201,14 @@ struct StateCacheLayout {
   REPLAYSSM_HD std::uint32_t unfolded(int layer, int slot) const {
     return committed[slot] - folded[layer_slot(layer, slot)];
   }
+  /// The decode's L: its fold cadence (ops.h, fold_every), config.buffer_len unless the call
+  /// set a shorter one. Only fold_due reads it; what the ring and staging hold stays sized by
+  /// config.buffer_len (max_history), so history left by a longer cadence still fits.
+  REPLAYSSM_HD int fold_length() const {
+    return fold_every > 0 ? fold_every : config.buffer_len;
+  }
   REPLAYSSM_HD bool fold_due(std::uint32_t unfolded_count, int num_tokens) const {
-    return replayssm::fold_due(unfolded_count, num_tokens, config.buffer_len);
+    return replayssm::fold_due(unfolded_count, num_tokens, fold_length());
   }
 };
 

@@ -47,11 +47,21 @@ Status validate_no_pending_rows(const StateCache& cache, const char* op, int lay
   return Status::ok();
 }
 
-// What both decode ops check: layer, batch, window width, slots, cursors.
+// What both decode ops check: layer, batch, window width, fold cadence, slots, cursors.
 Status validate_decode_common(const StateCache& cache, const char* op, int layer, int batch,
-                              int num_tokens, const std::int32_t* slot_ids) {
+                              int num_tokens, int fold_every,
+                              const std::int32_t* slot_ids) {
   REPLAYSSM_RETURN_IF_ERROR(validate_layer(cache, layer));
   const StateCacheConfig& c = cache.config();
+  if (c.mode == DecodeMode::kEager && fold_every != 0) {
+    return invalid_argument(std::string(op) + ": fold_every applies to replay caches (an eager "
+                            "cache writes its state every token); got " + str(fold_every));
+  }
+  if (fold_every < 0 || fold_every > c.buffer_len) {
+    return invalid_argument(std::string(op) + ": fold_every must be in [1, buffer_len = " +
+                            str(c.buffer_len) + "], or 0 for buffer_len; got " +
+                            str(fold_every));
+  }
   if (num_tokens < 1) {
     return invalid_argument(std::string(op) + ": num_tokens must be >= 1, got " + str(num_tokens));
   }
@@ -232,7 +242,8 @@ Status validate_mamba2_decode(const StateCache& cache, const Mamba2DecodeArgs& a
   constexpr const char* op = "mamba2_decode";
   REPLAYSSM_RETURN_IF_ERROR(require_kind(cache, LayerKind::kMamba2, op));
   REPLAYSSM_RETURN_IF_ERROR(
-      validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.slot_ids));
+      validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.fold_every,
+                             a.slot_ids));
   if (a.batch == 0) return Status::ok();
   REPLAYSSM_RETURN_IF_ERROR(
       validate_conv_inputs(cache, op, a.conv, {{a.x, "x"}, {a.B, "B"}, {a.C, "C"}}));
@@ -259,7 +270,8 @@ Status validate_gdn_decode(const StateCache& cache, const GdnDecodeArgs& a) {
   constexpr const char* op = "gdn_decode";
   REPLAYSSM_RETURN_IF_ERROR(require_kind(cache, LayerKind::kGdn, op));
   REPLAYSSM_RETURN_IF_ERROR(
-      validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.slot_ids));
+      validate_decode_common(cache, op, a.layer, a.batch, a.num_tokens, a.fold_every,
+                             a.slot_ids));
   if (a.batch == 0) return Status::ok();
   REPLAYSSM_RETURN_IF_ERROR(
       validate_conv_inputs(cache, op, a.conv, {{a.q, "q"}, {a.k, "k"}, {a.v, "v"}}));

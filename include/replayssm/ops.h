@@ -57,10 +57,20 @@ struct ConvInputs {
   const float* bias = nullptr;     ///< [conv_channels], or null for none
 };
 
+/// Both ops' `fold_every` (replay caches): this call first folds a row's committed history
+/// into its checkpoint once at least `fold_every` tokens of it wait, in [1, buffer_len]; 0 =
+/// buffer_len. It may change from call to call (a row holding more history than a shorter
+/// setting allows folds all of it); eager caches take 0 only. Outputs equal a cache of
+/// buffer_len = fold_every. A shorter cycle writes the checkpoint more often and leaves each
+/// step less history to stage and replay: on an H200 GDN single-token steps at batch 1-128 ran
+/// 2-15% faster folding every 8 than every 16, Mamba-2 steps slower (docs/BENCHMARKS.md); a
+/// shared bf16 checkpoint rounds once per fold, and an fp8 read copy serves more of each
+/// output, so those lose accuracy with it. `replayssm.models` sets it by batch.
 struct Mamba2DecodeArgs {
   int layer = 0;
   int batch = 0;
   int num_tokens = 1;                      ///< T
+  int fold_every = 0;                      ///< replay: fold cadence of this call (see above)
   const std::int32_t* slot_ids = nullptr;  ///< [batch]; -1 = pad row (skipped, nothing written)
   const void* x = nullptr;                 ///< [batch, T, nheads, head_dim]   input dtype
   const float* dt = nullptr;               ///< [batch, T, nheads]             raw dt
@@ -79,6 +89,7 @@ struct GdnDecodeArgs {
   int layer = 0;
   int batch = 0;
   int num_tokens = 1;                      ///< T
+  int fold_every = 0;                      ///< replay: fold cadence of this call (see above)
   const std::int32_t* slot_ids = nullptr;  ///< [batch]; -1 = pad row
   const void* q = nullptr;                 ///< [batch, T, num_k_heads, head_k_dim]  input dtype
   const void* k = nullptr;                 ///< [batch, T, num_k_heads, head_k_dim]  input dtype

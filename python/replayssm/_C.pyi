@@ -73,11 +73,13 @@ class StateCache:
 def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any | None, dt: Any,
                   B: Any | None, C: Any | None, A: Any, D: Any, dt_bias: Any, z: Any | None,
                   out: Any, stream: Any, buffers: Sequence[Any] | None, conv_in: Any | None = None,
-                  conv_weight: Any | None = None, conv_bias: Any | None = None) -> None:
+                  conv_weight: Any | None = None, conv_bias: Any | None = None,
+                  fold_every: int = 0) -> None:
     """A conv cache (conv_kernel > 0): x, B, C None; conv_in [batch, T, conv_channels] (token
     rows), conv_weight float32 [conv_channels, conv_kernel], conv_bias float32 or None."""
 def gdn_decode(cache: StateCache, layer: int, slot_ids: Any, q: Any | None, k: Any | None,
                v: Any | None, g: Any, beta: Any, scale: float, qk_l2norm: bool, out: Any,
                stream: Any, buffers: Sequence[Any] | None, conv_in: Any | None = None,
-               conv_weight: Any | None = None, conv_bias: Any | None = None) -> None:
+               conv_weight: Any | None = None, conv_bias: Any | None = None,
+               fold_every: int = 0) -> None:
     """A conv cache: q, k, v None and the conv inputs, as mamba2_decode."""

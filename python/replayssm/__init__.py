@@ -520,14 +520,14 @@ class StateCache:
         return numpy.empty(shape, like.dtype)
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream,
-                       conv):
+                       conv, fold_every):
         _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
-                         stream, None, *conv)
+                         stream, None, *conv, fold_every)
 
     def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream,
-                    conv):
+                    conv, fold_every):
         _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
-                      stream, None, *conv)
+                      stream, None, *conv, fold_every)
 
 
 _NO_CONV = (None, None, None)
@@ -548,7 +548,7 @@ def _decode_output(op: str, cache: StateCache, first: Any, conv: ConvInputs | No
 
 def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any, dt: Any, B: Any, C: Any,
                   A: Any, D: Any, dt_bias: Any, z: Any = None, out: Any = None, *,
-                  stream: Any = None, conv: ConvInputs | None = None) -> Any:
+                  stream: Any = None, conv: ConvInputs | None = None, fold_every: int = 0) -> Any:
     """One Mamba-2 decode step of layer ``layer`` for the rows ``slot_ids`` (int32 [batch];
     -1 = pad row, nothing written), T tokens per row (T = 1: plain decoding; T > 1: verify a
     speculative window, then :meth:`StateCache.commit`).
@@ -559,18 +559,24 @@ def mamba2_decode(cache: StateCache, layer: int, slot_ids: Any, x: Any, dt: Any,
     (< 0), ``D``, ``dt_bias`` [num_heads] in float32. Returns ``y`` [batch, T, num_heads,
     head_dim] in the input dtype, written into ``out`` when given. On a cache with
     ``conv_kernel > 0``, ``x``, ``B`` and ``C`` are None and ``conv`` (:class:`ConvInputs`)
-    gives the pre-conv x, B, C."""
+    gives the pre-conv x, B, C.
+
+    ``fold_every`` (replay caches): this call folds a row's committed history into its
+    checkpoint once at least that many tokens of it wait, in [1, buffer_len]; 0 (the default)
+    means buffer_len. It may change from call to call; eager caches take 0 only. A shorter
+    cadence writes the checkpoint more often and leaves each step less history to replay:
+    :class:`replayssm.models.ServingCache` shortens it for GDN layers at small batches."""
     c = cache.config
     if out is None:
         out = _decode_output("mamba2_decode", cache, x, conv, c.num_heads, c.head_dim)
     cache._mamba2_decode(layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream,
-                         _NO_CONV if conv is None else tuple(conv))
+                         _NO_CONV if conv is None else tuple(conv), int(fold_every))
     return out
 
 
 def gdn_decode(cache: StateCache, layer: int, slot_ids: Any, q: Any, k: Any, v: Any, g: Any,
                beta: Any, scale: float | None = None, qk_l2norm: bool = True, out: Any = None, *,
-               stream: Any = None, conv: ConvInputs | None = None) -> Any:
+               stream: Any = None, conv: ConvInputs | None = None, fold_every: int = 0) -> Any:
     """One Gated DeltaNet decode step of layer ``layer`` for the rows ``slot_ids`` (int32
     [batch]; -1 = pad row), T tokens per row (as :func:`mamba2_decode`).
 
@@ -580,10 +586,12 @@ def gdn_decode(cache: StateCache, layer: int, slot_ids: Any, q: Any, k: Any, v: 
     root); ``scale`` multiplies q after that (None: head_k_dim ** -0.5). Returns ``o``
     [batch, T, num_v_heads, head_v_dim] in the input dtype, written into ``out`` when given. On
     a cache with ``conv_kernel > 0``, ``q``, ``k`` and ``v`` are None and ``conv``
-    (:class:`ConvInputs`) gives the pre-conv q, k, v."""
+    (:class:`ConvInputs`) gives the pre-conv q, k, v. ``fold_every``: the fold cadence of this
+    call, as :func:`mamba2_decode`'s."""
     c = cache.config
     if out is None:
         out = _decode_output("gdn_decode", cache, v, conv, c.num_v_heads, c.head_v_dim)
     cache._gdn_decode(layer, slot_ids, q, k, v, g, beta, 0.0 if scale is None else float(scale),
-                      bool(qk_l2norm), out, stream, _NO_CONV if conv is None else tuple(conv))
+                      bool(qk_l2norm), out, stream, _NO_CONV if conv is None else tuple(conv),
+                      int(fold_every))
     return out

@@ -194,27 +194,28 @@ class StateCache(_StateCache):
         torch.ops.replayssm.truncate(self._id, slot_ids, positions, self._buffer_list)
 
     def _mamba2_decode(self, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, stream,
-                       conv):
+                       conv, fold_every):
         if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.mamba2_decode(self._id, layer, slot_ids, x, dt, B, C, A, D,
-                                              dt_bias, z, out, self._buffer_list, *conv)
+                                              dt_bias, z, out, self._buffer_list, *conv,
+                                              fold_every)
         else:
             # _array_stream inlined: this is the eager hot path.
             _C.mamba2_decode(self._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
                              stream if stream is not None or _FAST_EXCHANGE
-                             else self._stream(None), None, *conv)
+                             else self._stream(None), None, *conv, fold_every)
 
     def _gdn_decode(self, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, stream,
-                    conv):
+                    conv, fold_every):
         if _is_compiling():
             _no_stream_when_compiling(stream)
             torch.ops.replayssm.gdn_decode(self._id, layer, slot_ids, q, k, v, g, beta, scale,
-                                           qk_l2norm, out, self._buffer_list, *conv)
+                                           qk_l2norm, out, self._buffer_list, *conv, fold_every)
         else:
             _C.gdn_decode(self._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out,
                           stream if stream is not None or _FAST_EXCHANGE
-                          else self._stream(None), None, *conv)
+                          else self._stream(None), None, *conv, fold_every)
 
 
 def _cache(cache_id: int) -> StateCache:
@@ -235,16 +236,16 @@ def _mamba2_decode_op(cache: int, layer: int, slot_ids: torch.Tensor, x: Optiona
                       z: Optional[torch.Tensor], out: torch.Tensor, buffers: List[torch.Tensor],
                       conv_in: Optional[torch.Tensor] = None,
                       conv_weight: Optional[torch.Tensor] = None,
-                      conv_bias: Optional[torch.Tensor] = None) -> None:
+                      conv_bias: Optional[torch.Tensor] = None, fold_every: int = 0) -> None:
     """replayssm.mamba2_decode on the cache with id ``cache``, writing ``out`` (a conv cache:
-    x, B, C None and the ConvInputs' three tensors last)."""
+    x, B, C None and the ConvInputs' three tensors after the buffers)."""
     _C.mamba2_decode(_cache(cache)._native, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out,
-                     _current_stream(out), buffers, conv_in, conv_weight, conv_bias)
+                     _current_stream(out), buffers, conv_in, conv_weight, conv_bias, fold_every)
 
 
 @_mamba2_decode_op.register_fake
 def _(cache, layer, slot_ids, x, dt, B, C, A, D, dt_bias, z, out, buffers, conv_in=None,
-      conv_weight=None, conv_bias=None):
+      conv_weight=None, conv_bias=None, fold_every=0):
     return None
 
 
@@ -254,16 +255,16 @@ def _gdn_decode_op(cache: int, layer: int, slot_ids: torch.Tensor, q: Optional[t
                    beta: torch.Tensor, scale: float, qk_l2norm: bool, out: torch.Tensor,
                    buffers: List[torch.Tensor], conv_in: Optional[torch.Tensor] = None,
                    conv_weight: Optional[torch.Tensor] = None,
-                   conv_bias: Optional[torch.Tensor] = None) -> None:
+                   conv_bias: Optional[torch.Tensor] = None, fold_every: int = 0) -> None:
     """replayssm.gdn_decode on the cache with id ``cache`` (scale 0 = head_k_dim ** -0.5; a
-    conv cache: q, k, v None and the ConvInputs' three tensors last)."""
+    conv cache: q, k, v None and the ConvInputs' three tensors after the buffers)."""
     _C.gdn_decode(_cache(cache)._native, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm,
-                  out, _current_stream(out), buffers, conv_in, conv_weight, conv_bias)
+                  out, _current_stream(out), buffers, conv_in, conv_weight, conv_bias, fold_every)
 
 
 @_gdn_decode_op.register_fake
 def _(cache, layer, slot_ids, q, k, v, g, beta, scale, qk_l2norm, out, buffers, conv_in=None,
-      conv_weight=None, conv_bias=None):
+      conv_weight=None, conv_bias=None, fold_every=0):
     return None
 
 

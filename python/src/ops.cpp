@@ -155,7 +155,8 @@ class DecodeCall {
 void mamba2_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle x, nb::handle dt,
                    nb::handle B, nb::handle C, nb::handle A, nb::handle D, nb::handle dt_bias,
                    nb::handle z, nb::handle out, nb::handle stream, nb::handle buffers,
-                   nb::handle conv_in, nb::handle conv_weight, nb::handle conv_bias) {
+                   nb::handle conv_in, nb::handle conv_weight, nb::handle conv_bias,
+                   int fold_every) {
   // On a cache of the other kind, the library's own message.
   if (self.config().kind != LayerKind::kMamba2) check(replayssm::mamba2_decode(*self.cache, {}));
   const Mamba2Shape& s = self.config().mamba2;
@@ -168,6 +169,7 @@ void mamba2_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle x, 
   args.layer = layer;
   args.batch = static_cast<int>(call.batch);
   args.num_tokens = static_cast<int>(call.T);
+  args.fold_every = fold_every;
   args.slot_ids = static_cast<const std::int32_t*>(call.ids.data);
   args.dt = call.per_token(dt, "dt", s.nheads, "([batch, T, nheads])");
   args.B = call.after_conv(B, "B", s.ngroups, s.dstate, kGroups);
@@ -186,7 +188,7 @@ void mamba2_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle x, 
 void gdn_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle q, nb::handle k,
                 nb::handle v, nb::handle g, nb::handle beta, float scale, bool qk_l2norm,
                 nb::handle out, nb::handle stream, nb::handle buffers, nb::handle conv_in,
-                nb::handle conv_weight, nb::handle conv_bias) {
+                nb::handle conv_weight, nb::handle conv_bias, int fold_every) {
   if (self.config().kind != LayerKind::kGdn) check(replayssm::gdn_decode(*self.cache, {}));
   const GdnShape& s = self.config().gdn;
   constexpr const char* kKeys = "([batch, T, num_k_heads, head_k_dim])";
@@ -199,6 +201,7 @@ void gdn_decode(PyCache& self, int layer, nb::handle slot_ids, nb::handle q, nb:
   args.layer = layer;
   args.batch = static_cast<int>(call.batch);
   args.num_tokens = static_cast<int>(call.T);
+  args.fold_every = fold_every;
   args.slot_ids = static_cast<const std::int32_t*>(call.ids.data);
   args.k = call.after_conv(k, "k", s.num_k_heads, s.head_k_dim, kKeys);
   args.v = call.after_conv(v, "v", s.num_v_heads, s.head_v_dim, kValues);
@@ -220,12 +223,14 @@ void bind_ops(nb::module_& m) {
         nb::arg("x").none(), nb::arg("dt"), nb::arg("B").none(), nb::arg("C").none(), nb::arg("A"),
         nb::arg("D"), nb::arg("dt_bias"), nb::arg("z").none(), nb::arg("out"),
         nb::arg("stream").none(), nb::arg("buffers").none(), nb::arg("conv_in").none() = nb::none(),
-        nb::arg("conv_weight").none() = nb::none(), nb::arg("conv_bias").none() = nb::none());
+        nb::arg("conv_weight").none() = nb::none(), nb::arg("conv_bias").none() = nb::none(),
+        nb::arg("fold_every") = 0);
   m.def("gdn_decode", &gdn_decode, nb::arg("cache"), nb::arg("layer"), nb::arg("slot_ids"),
         nb::arg("q").none(), nb::arg("k").none(), nb::arg("v").none(), nb::arg("g"),
         nb::arg("beta"), nb::arg("scale"), nb::arg("qk_l2norm"), nb::arg("out"),
         nb::arg("stream").none(), nb::arg("buffers").none(), nb::arg("conv_in").none() = nb::none(),
-        nb::arg("conv_weight").none() = nb::none(), nb::arg("conv_bias").none() = nb::none());
+        nb::arg("conv_weight").none() = nb::none(), nb::arg("conv_bias").none() = nb::none(),
+        nb::arg("fold_every") = 0);
 }
 
 }  // namespace replayssm::python

@@ -173,7 +173,7 @@ class Driver:
         ids.insert(1, -1)
         return np.array(ids, np.int32)
 
-    def step(self, T=1, accept=None):
+    def step(self, T=1, accept=None, fold_every=0):
         cfg, ids = self.cfg, self.rows()
         batch, arr = len(ids), self.to_array
         outputs = []
@@ -185,14 +185,15 @@ class Driver:
                 y = replayssm.mamba2_decode(
                     self.cache, layer, arr(ids), arr(given["x"]), arr(given["dt"]),
                     arr(given["B"]), arr(given["C"]), arr(p.A), arr(p.D), arr(p.dt_bias),
-                    z=None if given["z"] is None else arr(given["z"]), out=out)
+                    z=None if given["z"] is None else arr(given["z"]), out=out,
+                    fold_every=fold_every)
             else:
                 given, seen = gdn_inputs(cfg, self.rng, batch, T)
                 out = arr(empty_output((batch, T, cfg.num_v_heads, cfg.head_v_dim), cfg.input_dtype))
                 y = replayssm.gdn_decode(
                     self.cache, layer, arr(ids), arr(given["q"]), arr(given["k"]),
                     arr(given["v"]), arr(given["g"]), arr(given["beta"]), scale=self.scale,
-                    qk_l2norm=self.qk_l2norm, out=out)
+                    qk_l2norm=self.qk_l2norm, out=out, fold_every=fold_every)
             assert y is out
             got = from_output(self.to_numpy(y), cfg.input_dtype)
             assert np.isnan(got[1]).all(), "the pad row's output was written"

@@ -132,6 +132,46 @@ def test_driver_catches_a_wrong_output(rng):
     assert d.max_error > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_fold_every_sets_each_calls_fold_cadence(kind, rng):
+    """A decode folds a row's committed history first once fold_every tokens of it wait: with
+    a cadence cycling through 1..L and 0 (= L), each decode leaves `folded` at `committed`
+    exactly when that call's cadence was due, and every output stays the oracle's."""
+    cfg = config(kind, num_layers=2, checkpoint="fp32+bf16", buffer_len=6, max_spec_tokens=2)
+    cache = replayssm.StateCache(cfg)
+    d = Driver(cache, rng)
+    folds = 0
+    for step, every in enumerate([0, 1, 3, 6, 2, 0, 1, 1, 5, 4, 2, 6] * 3):
+        before = cache.buffers["folded"][:, d.slots].copy()
+        committed = cache.buffers["committed"][d.slots].copy()
+        d.step(T=1 + step % 2, accept=lambda T: int(rng.integers(1, T + 1)), fold_every=every)
+        due = committed - before >= (every or cfg.buffer_len)  # [layers, rows]
+        after = cache.buffers["folded"][:, d.slots]
+        assert np.array_equal(after, np.where(due, committed, before)), (step, every)
+        folds += int(due.sum())
+    assert folds > 36 * cfg.num_layers * len(d.slots) // cfg.buffer_len  # more than L alone
+    assert d.max_error <= 4 * BF16_U
+    assert d.export_error() <= 1e-5
+
+
+@pytest.mark.parametrize("fold_every", [-1, 7])
+def test_fold_every_outside_one_to_buffer_len_is_refused_and_writes_nothing(fold_every, rng):
+    cfg = config("gdn", buffer_len=6)
+    cache = replayssm.StateCache(cfg)
+    d = Driver(cache, rng)
+    d.step()
+    buffers = {name: b.copy() for name, b in cache.buffers.items()}
+    with pytest.raises(ValueError, match="fold_every"):
+        d.step(fold_every=fold_every)
+    assert all(np.array_equal(cache.buffers[n], b) for n, b in buffers.items())
+
+
+def test_fold_every_on_an_eager_cache_is_refused(rng):
+    d = Driver(replayssm.StateCache(config("mamba2", mode="eager")), rng)
+    with pytest.raises(ValueError, match="fold_every applies to replay caches"):
+        d.step(fold_every=2)
+
+
 def test_fold_and_fresh_slots(rng):
     """An explicit fold changes no output; a freed and reallocated slot starts from zero."""
     cfg = config("gdn", buffer_len=8)

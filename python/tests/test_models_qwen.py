@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from replayssm.models import ServingCache, StateMode  # noqa: E402
+from replayssm.models import base  # noqa: E402
 from replayssm.models import qwen3_5 as qw  # noqa: E402
 from replayssm.models.loader import read_tensors  # noqa: E402
 
@@ -219,28 +220,73 @@ def test_state_modes_match_eager_fp32(where, mode):
     assert run_err(steps, steps_ref) < MODE_TOL[mode.split(":")[0]]
 
 
+@pytest.mark.parametrize("where", mu.DEVICES_FP32)
+@pytest.mark.parametrize("mode,fold_every", [("replay-fp32", 1), ("replay-fp32+bf16", 3)])
+def test_a_shorter_fold_cadence_matches_eager_fp32(where, mode, fold_every):
+    """The same runs with every GDN decode folding every ``fold_every`` tokens (the cadence
+    the cache applies on a GPU at small batches, here set for every batch)."""
+    device, dtype = where
+    steps, steps_ref = state_mode_runs(tiny_model(device, dtype), mode, fold_every=fold_every)
+    assert run_err(steps, steps_ref) < MODE_TOL[mode]
+
+
+@pytest.mark.parametrize("where", mu.DEVICES_FP32)
+@pytest.mark.parametrize("mode", ["replay-fp32+bf16", "replay-fp32+fp8"])
+def test_folding_every_f_tokens_equals_a_cache_of_buffer_len_f(where, mode):
+    """fold_every = 5 on a cache of L = 16 computes what a cache of L = 5 computes, bit for
+    bit: the cadence is the whole of L's effect on outputs."""
+    device, dtype = where
+    model, tokens = tiny_model(device, dtype), prompt(21, seed=4, device=device)
+    stream = prompt(40, seed=5).tolist()
+    _, steps, _ = our_run(model, mode, tokens, 40, forced=stream, fold_every=5)
+    _, steps_l5, _ = our_run(model, f"{mode}:5", tokens, 40, forced=stream)
+    assert all(torch.equal(a, b) for a, b in zip(steps, steps_l5))
+
+
+def test_the_fold_cadence_rule_and_its_refusals():
+    """default_fold_every: GDN single tokens on a GPU up to the batch limit fold every
+    GDN_SHORT_FOLD_EVERY tokens (never past L) with an fp32 master; Mamba-2, windows, larger
+    batches, the CPU and the bf16 and fp32+fp8 checkpoints keep L (0). ServingCache refuses
+    cadences outside [1, L], and any on an eager mode."""
+    rule, limit = base.default_fold_every, base.GDN_SHORT_FOLD_MAX_BATCH
+    for p in ("fp32", "fp32+bf16"):
+        assert rule("gdn", p, 1, 1, 16, True) == rule("gdn", p, limit, 1, 16, True) == \
+            base.GDN_SHORT_FOLD_EVERY
+    assert rule("gdn", "fp32", 1, 1, 2, True) == 2
+    assert rule("gdn", "fp32", limit + 1, 1, 16, True) == rule("gdn", "fp32", 1, 4, 16, True) == 0
+    assert rule("mamba2", "fp32", 1, 1, 16, True) == rule("gdn", "fp32", 1, 1, 16, False) == 0
+    assert rule("gdn", "bf16", 1, 1, 16, True) == rule("gdn", "fp32+fp8", 1, 1, 16, True) == 0
+    model = tiny_model("cpu", torch.float32)
+    assert ServingCache(model, 2, 8, "replay-fp32", fold_every=3).fold_every("gdn", 1, 1) == 3
+    assert ServingCache(model, 2, 8, "eager-fp32").fold_every("gdn", 1, 1) == 0
+    for mode, bad in (("replay-fp32", 17), ("replay-fp32", -1), ("replay-fp32:4", 5),
+                      ("eager-fp32", 2), ("replay-fp32", "every")):
+        with pytest.raises(ValueError, match="fold_every"):
+            ServingCache(model, 2, 8, mode, fold_every=bad)
+
+
 def step_errors(got, ref):
     """rel_err of each step: lists of step logits."""
     return torch.tensor([mu.rel_err(a, b) for a, b in zip(got, ref)])
 
 
-def state_mode_runs(model, mode, routing=None):
+def state_mode_runs(model, mode, routing=None, **cache_kw):
     """The step logits of ``mode`` and of eager fp32 over 70 teacher-forced steps after a
     21-token prompt (4 folds at L = 16, 17 at L = 4); the prefill's logits equal, as every mode
-    loads the same fp32 prefill state. With ``routing`` (a MoE family's context manager,
+    loads the same fp32 prefill state; ``cache_kw`` go to the mode's ServingCache. With ``routing`` (a MoE family's context manager,
     routing(model, record=...) or routing(model, replay=...): see mu.pinned_routing), the
     eager fp32 run records its routers' choices and the mode's run replays them call by call."""
     device = next(model.parameters()).device
     tokens, stream = prompt(21, seed=4, device=device), prompt(70, seed=5).tolist()
     if routing is None:
         first_ref, steps_ref, _ = our_run(model, "eager-fp32", tokens, 70, forced=stream)
-        first, steps, _ = our_run(model, mode, tokens, 70, forced=stream)
+        first, steps, _ = our_run(model, mode, tokens, 70, forced=stream, **cache_kw)
     else:
         chosen = {}
         with routing(model, record=chosen):
             first_ref, steps_ref, _ = our_run(model, "eager-fp32", tokens, 70, forced=stream)
         with routing(model, replay=chosen):
-            first, steps, _ = our_run(model, mode, tokens, 70, forced=stream)
+            first, steps, _ = our_run(model, mode, tokens, 70, forced=stream, **cache_kw)
         assert chosen and not any(chosen.values())  # every call replayed, in the same order
     assert torch.equal(first, first_ref)
     return steps, steps_ref

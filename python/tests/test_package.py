@@ -20,10 +20,10 @@ def test_public_names():
         assert callable(getattr(replayssm.StateCache, name))
     assert list(inspect.signature(replayssm.mamba2_decode).parameters) == [
         "cache", "layer", "slot_ids", "x", "dt", "B", "C", "A", "D", "dt_bias", "z", "out",
-        "stream", "conv"]
+        "stream", "conv", "fold_every"]
     assert list(inspect.signature(replayssm.gdn_decode).parameters) == [
         "cache", "layer", "slot_ids", "q", "k", "v", "g", "beta", "scale", "qk_l2norm", "out",
-        "stream", "conv"]
+        "stream", "conv", "fold_every"]
 
 
 def stub_names(tree):

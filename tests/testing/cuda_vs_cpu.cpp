@@ -92,8 +92,9 @@ void compare_cuda_vs_cpu_impl(const CudaVsCpuSpec& c, double* worst) {
     }
     for (int layer = 0; layer < layers; ++layer) {
       const typename Family::Tokens tk = family.tokens(rows, window, rng);
-      const typename Family::Call cc = family.call(*cpu, layer, slots, tk);
-      const typename Family::Call gc = family.call(*gpu, layer, slots, tk);
+      typename Family::Call cc = family.call(*cpu, layer, slots, tk);
+      typename Family::Call gc = family.call(*gpu, layer, slots, tk);
+      cc.args.fold_every = gc.args.fold_every = fold_every_at(c.fold_every, step);
       ASSERT_TRUE(Family::decode(*cpu, cc).is_ok());
       const Status st = Family::decode(*gpu, gc);
       ASSERT_TRUE(st.is_ok()) << st.to_string();

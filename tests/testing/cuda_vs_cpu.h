@@ -5,6 +5,7 @@
 // through the library's API only.
 
 #include <cstdint>
+#include <vector>
 
 #include "replayssm/state_cache.h"
 
@@ -26,6 +27,8 @@ struct CudaVsCpuSpec {
   bool qk_l2norm = true;     ///< GDN (raw keys drawn with |k| ≈ 1 without it)
   double output_tol = 0.0;   ///< per decode call and row, max|o_cuda − o_cpu| / max|o_cpu|
   double state_tol = 0.0;    ///< every exported state at the end, likewise
+  /// The fold cadence of each step's decodes, cycled (family.h, fold_every_at).
+  std::vector<int> fold_every;
 };
 /// Fatal assertions on outputs past output_tol, a written pad row, a cursor differing after a
 /// commit, a failed call; non-fatal ones on written guard slots and exported states past

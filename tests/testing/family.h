@@ -69,6 +69,12 @@ struct GdnFamily {
   FamilySettings settings;
 };
 
+/// The fold cadence (ops.h, fold_every) of the decodes of step `step`: `cycle` repeated, or 0
+/// (the cache's buffer_len) when it is empty.
+inline int fold_every_at(const std::vector<int>& cycle, int step) {
+  return cycle.empty() ? 0 : cycle[std::size_t(step) % cycle.size()];
+}
+
 /// f(std::type_identity<Family>{}) for the family of `kind`.
 template <typename F>
 decltype(auto) with_family(LayerKind kind, F&& f) {

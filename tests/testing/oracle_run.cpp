@@ -52,7 +52,7 @@ class OracleRun {
     for (int step = 0; step < spec_.steps; ++step) {
       const StepRows rows = begin_step(step);
       StepDecodes decodes;
-      if (!decode_layers(rows, &decodes)) return res_;
+      if (!decode_layers(step, rows, &decodes)) return res_;
       if (!commit_step(rows)) return res_;
       if (plain_ != nullptr && !replay_on_plain(rows, decodes)) return res_;
     }
@@ -164,12 +164,13 @@ class OracleRun {
 
   // Every layer decodes fresh tokens; its outputs are checked row by row and compared with the
   // oracle's (and the naive loop's). Records the step's errors; false if a decode failed.
-  bool decode_layers(const StepRows& rows, StepDecodes* d) {
+  bool decode_layers(int step, const StepRows& rows, StepDecodes* d) {
     double step_err = 0.0, naive_err = 0.0;
     for (int layer = 0; layer < NL_; ++layer) {
       const std::string where = rows.at + " layer " + std::to_string(layer);
       typename Family::Tokens tk = fam_.tokens(B_, T_, input_rng_);
-      const typename Family::Call call = fam_.call(*cache_, layer, rows.slots, tk);
+      typename Family::Call call = fam_.call(*cache_, layer, rows.slots, tk);
+      call.args.fold_every = fold_every_at(spec_.fold_every, step);
       if (Status st = Family::decode(*cache_, call); !st.is_ok()) {
         fail(where + ": decode: " + st.to_string());
         return false;

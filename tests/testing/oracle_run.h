@@ -38,6 +38,9 @@ struct RunSpec {
   bool compare_plain = false;
   /// Extra allocated slots no row uses: their bytes must stay as allocated.
   int guard_slots = 1;
+  /// Replay: the fold cadence of each step's decodes, cycled (family.h, fold_every_at; empty:
+  /// the cache's buffer_len).
+  std::vector<int> fold_every;
 };
 
 struct RunResult {

@@ -44,6 +44,33 @@ __all__ = ["CacheLayout", "DecodeContext", "HybridModel", "PrefillContext", "Ser
 _EAGER_PRECISIONS = ("fp32", "bf16")
 _REPLAY_PRECISIONS = ("fp32", "bf16", "fp32+bf16", "fp32+fp8")
 _DEFAULT_BUFFER_LEN = 16
+#: GDN replay decodes of single tokens fold every this many tokens up to this batch
+#: (:meth:`ServingCache.fold_every`): below a few waves of CTAs a GDN step waits on each CTA's
+#: staging and walk of the history, which a shorter cycle shortens, more than the checkpoint
+#: writes it adds cost. H200, qwen35-4b layer, staggered, 24 layers a step, fold every 16 -> 8
+#: tokens (docs/BENCHMARKS.md, "A decode's fold cadence"), µs, fp32 / fp32+bf16: batch 1
+#: 7.7 -> 7.1 / 7.5 -> 6.9, 16 27.1 -> 24.2 / 27.4 -> 24.8, 64 60.1 -> 52.9 / 55.4 -> 51.0, 128
+#: 122.4 -> 104.2 / 109.4 -> 99.1; at 256 159.1 -> 166.2 / 134.5 -> 134.7. Every 4 was faster
+#: still at 16 and 128 but slower at 4 and 32. Mamba-2 steps ran slower with shorter cycles
+#: at nearly every batch (super120b). Only checkpoints with an fp32
+#: master take it (SHORT_FOLD_PRECISIONS): a shared bf16 checkpoint rounds at every fold, so
+#: its error would grow 4x as fast, and with an fp8 read copy the part of each output read
+#: from the copy grows as the ring part shrinks (tiny Qwen3.5, 70 steps: logits 0.011 -> 0.12
+#: from eager fp32 at L = 16 -> 5; fp32+bf16 0.003 -> 0.007).
+GDN_SHORT_FOLD_EVERY = 8
+GDN_SHORT_FOLD_MAX_BATCH = 128
+SHORT_FOLD_PRECISIONS = ("fp32", "fp32+bf16")
+
+
+def default_fold_every(kind: str, precision: str, batch: int, tokens: int, buffer_len: int,
+                       on_gpu: bool) -> int:
+    """The measured rule for a replay decode's fold cadence (``fold_every``; 0 = buffer_len):
+    GDN single tokens on a GPU up to GDN_SHORT_FOLD_MAX_BATCH rows, with a checkpoint of
+    SHORT_FOLD_PRECISIONS, fold every GDN_SHORT_FOLD_EVERY tokens; everything else every
+    buffer length."""
+    short = (kind == "gdn" and precision in SHORT_FOLD_PRECISIONS and tokens == 1
+             and batch <= GDN_SHORT_FOLD_MAX_BATCH and on_gpu)
+    return min(GDN_SHORT_FOLD_EVERY, buffer_len) if short else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,15 +225,26 @@ class ServingCache:
 
     ``share_forked_checkpoints`` (replay modes): :meth:`fork` lets a copy read its source's
     SSM checkpoints until either folds, instead of copying them (the state cache's option).
+
+    ``fold_every`` (replay modes): the SSM decodes' fold cadence (``gdn_decode``'s and
+    ``mamba2_decode``'s ``fold_every``): ``"auto"`` (the default) the measured rule of
+    :meth:`fold_every`, an int that cadence for every decode (0: the buffer length).
     """
 
     def __init__(self, model: "HybridModel", capacity: int, max_seq_len: int,
                  mode: "str | StateMode", max_spec_tokens: int = 1,
-                 share_forked_checkpoints: bool = False) -> None:
+                 share_forked_checkpoints: bool = False, fold_every: "str | int" = "auto") -> None:
         if capacity < 1 or max_seq_len < 1 or max_spec_tokens < 1:
             raise ValueError(f"capacity ({capacity}), max_seq_len ({max_seq_len}) and "
                              f"max_spec_tokens ({max_spec_tokens}) must be positive")
         self.mode = StateMode.parse(mode)
+        if fold_every != "auto" and not (
+                isinstance(fold_every, int) and
+                (fold_every == 0 or (not self.mode.eager and
+                                     1 <= fold_every <= self.mode.buffer_len))):
+            raise ValueError(f"fold_every must be 'auto', 0 or (replay modes) in [1, "
+                             f"buffer_len = {self.mode.buffer_len}], got {fold_every!r}")
+        self._fold_every = fold_every
         layout = model.cache_layout()
         self.layout = layout
         self.capacity, self.max_seq_len = capacity, max_seq_len
@@ -232,6 +270,17 @@ class ServingCache:
         return (f"ServingCache({self.mode}, capacity={self.capacity}, "
                 f"max_seq_len={self.max_seq_len}, max_spec_tokens={self.max_spec_tokens}, "
                 f"free={self.ssm.free_slots})")
+
+    def fold_every(self, kind: str, batch: int, tokens: int) -> int:
+        """The fold cadence of a decode of ``tokens`` tokens for ``batch`` rows of ``kind``
+        ("gdn" or "mamba2") layers: the constructor's int, or default_fold_every's. It
+        depends on the batch and window only, so a step captured per batch bucket keeps it."""
+        if self.mode.eager:
+            return 0
+        if self._fold_every != "auto":
+            return int(self._fold_every)
+        return default_fold_every(kind, self.mode.precision, batch, tokens,
+                                  self.mode.buffer_len, torch.device(self.device).type == "cuda")
 
     @property
     def max_window(self) -> int:

@@ -652,9 +652,10 @@ class _GatedDeltaNet(nn.Module):
         q, k, v = self.split(cache.conv_decode(layer, ctx, mixed, *self._conv_args(),
                                                splits=self.splits()))
         g, beta = self.gates(a, b)
+        batch, tokens = x.shape[:2]
         o = replayssm.gdn_decode(cache.ssm, layer, ctx.slot_ids, q, k, v, g.contiguous(),
                                  beta.contiguous(), scale=self.c.linear_key_head_dim ** -0.5,
-                                 qk_l2norm=True)
+                                 qk_l2norm=True, fold_every=cache.fold_every("gdn", batch, tokens))
         return self.output(o, z)
 
 
