@@ -128,6 +128,7 @@ class CaseRunner {
       : shape_(shape), batch_(batch), groups_(groups), options_(options) {}
 
   Status init(DecodeMode mode, CheckpointPrecision checkpoint) {
+    mode_ = mode;
     REPLAYSSM_RETURN_IF_ERROR(state_cache_create(
         case_config(shape_, options_, mode, checkpoint, batch_ * groups_), &cache_));
     group_slots_.assign(static_cast<std::size_t>(groups_), {});
@@ -147,9 +148,9 @@ class CaseRunner {
   }
 
   // Staggered flushes: row b is pre-advanced by b mod L tokens (padding the others), so that
-  // afterwards 1/L of the rows fold on each step.
+  // afterwards 1/L of the rows fold on each step (L: the fold cadence).
   Status stagger() {
-    const int L = options_.buffer_len;
+    const int L = options_.fold_period();
     for (int j = 0; j + 1 < L; ++j) {
       for (const auto& group : group_slots_) {
         std::vector<std::int32_t> ids = group;
@@ -162,11 +163,12 @@ class CaseRunner {
     return Status::ok();
   }
 
-  // One fold cycle: L steps of every slot group, groups interleaved step by step. `step_us`,
-  // when given, receives each step's time over all groups, µs per group.
+  // One fold cycle: L steps (the fold cadence) of every slot group, groups interleaved step by
+  // step. `step_us`, when given, receives each step's time over all groups, µs per group.
   Status cycle(int* input_set, std::vector<double>* step_us = nullptr) {
-    if (step_us != nullptr) step_us->assign(std::size_t(options_.buffer_len), 0.0);
-    for (int s = 0; s < options_.buffer_len; ++s) {
+    const int L = options_.fold_period();
+    if (step_us != nullptr) step_us->assign(std::size_t(L), 0.0);
+    for (int s = 0; s < L; ++s) {
       const auto start = Clock::now();
       for (const auto& group : group_slots_) {
         REPLAYSSM_RETURN_IF_ERROR(step(group, *input_set));
@@ -250,6 +252,7 @@ class CaseRunner {
           a.D = D_.data();
           a.dt_bias = dt_bias_.data();
           a.y = out_.data();
+          a.fold_every = fold_every();
           REPLAYSSM_RETURN_IF_ERROR(mamba2_decode(*cache_, a));
           return Status::ok();
         },
@@ -263,6 +266,7 @@ class CaseRunner {
           a.g = in.head_a.data();
           a.beta = in.head_b.data();
           a.o = out_.data();
+          a.fold_every = fold_every();
           REPLAYSSM_RETURN_IF_ERROR(gdn_decode(*cache_, a));
           return Status::ok();
         });
@@ -274,10 +278,16 @@ class CaseRunner {
     return state_cache_commit(*cache_, commit);
   }
 
+  // The decodes' fold cadence: the options' for replay caches (an eager cache takes 0 only).
+  [[nodiscard]] int fold_every() const {
+    return mode_ == DecodeMode::kReplay ? options_.fold_every : 0;
+  }
+
   const BenchShape& shape_;
   int batch_;
   int groups_;
   const BenchOptions& options_;
+  DecodeMode mode_ = DecodeMode::kEager;
   std::unique_ptr<StateCache> cache_;
   std::vector<std::vector<std::int32_t>> group_slots_;
   std::vector<std::int32_t> accepted_;
@@ -356,7 +366,7 @@ Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& 
       REPLAYSSM_RETURN_IF_ERROR(c.runner->cycle(&c.input_set));
     }
   }
-  const double steps_per_cycle = double(groups) * options.buffer_len;
+  const double steps_per_cycle = double(groups) * options.fold_period();
   std::vector<double> step_us;
   for (int rep = 0; rep < options.repetitions; ++rep) {
     for (Case& c : cases) {
@@ -375,6 +385,7 @@ Status time_shape_batch(const BenchShape& shape, int batch, const BenchOptions& 
     r.mode = c.mode;
     r.checkpoint = c.checkpoint;
     r.buffer_len = options.buffer_len;
+    r.fold_every = c.mode == DecodeMode::kReplay ? options.fold_every : 0;
     r.flush = options.flush;
     r.slot_groups = groups;
     r.stream_bytes = double(groups) * batch * double(shape.dims().state_elems()) *
@@ -410,6 +421,9 @@ Status validate(const BenchOptions& o) {
     if (b < 1) return invalid_argument("batch sizes must be >= 1");
   }
   if (o.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
+  if (o.fold_every < 0 || o.fold_every > o.buffer_len) {
+    return invalid_argument("fold_every must be in [1, L], or 0 for L");
+  }
   if (o.layers != 1) return invalid_argument("layers per step other than 1: the CUDA bench only");
   if (o.repetitions < 1 || o.warmup_cycles < 0) {
     return invalid_argument("repetitions must be >= 1 and warm-up cycles >= 0");

@@ -55,6 +55,13 @@ replayssm_cli_check(bench_layers_cpu error TIMEOUT 10
   MATCH "layers per step other than 1: the CUDA bench only" ARGS bench --device cpu --layers 2)
 replayssm_cli_check(bench_batch_range error TIMEOUT 10
   MATCH "--batch must be in \\[1, [0-9]+\\], got 0" ARGS bench --device cpu --batch 16,0)
+replayssm_cli_check(bench_fold_every_above_buffer_len error TIMEOUT 10
+  MATCH "fold_every must be in \\[1, L\\], or 0 for L" ARGS bench --device cpu -L 8 --fold-every 12)
+# A fold cadence shorter than L: the replay rows say "F/L" and the legend explains it.
+replayssm_cli_check(bench_fold_every_label ok TIMEOUT 60
+  MATCH "replay fp32 +4/16 staggered.*F/L +replay decodes that fold every F tokens"
+  ARGS bench --device cpu --shape qwen35-4b --batch 1 --checkpoint fp32 --fold-every 4
+       --repetitions 1 --min-state-mb 8)
 replayssm_cli_check(demo_buffer_len_range error TIMEOUT 10
   MATCH "--buffer-len \\(-L\\) must be in \\[1, 4096\\], got 5000" ARGS demo --device cpu -L 5000)
 replayssm_cli_check(run_help_shows_ranges ok

@@ -247,6 +247,7 @@ struct BenchArgs {
   std::vector<std::string> shapes = {"nano4b", "qwen35-4b"};
   std::vector<int> batches = {64};
   int buffer_len = 16;
+  int fold_every = 0;  // the decodes' fold cadence (ops.h); 0: buffer_len
   std::vector<std::string> checkpoints = {"fp32", "fp32+bf16"};  // plain, and the one to serve
   std::string flush = "staggered";  // the serving case: rows fold on different steps
   std::string eager_state = "f32";
@@ -292,6 +293,12 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   a.ranges.add(bench->add_option("--buffer-len,-L", a.buffer_len, "Tokens per fold cycle")
                    ->capture_default_str(),
                &a.buffer_len, 1, kMaxBufferLen);
+  a.ranges.add(bench
+                   ->add_option("--fold-every", a.fold_every,
+                                "Replay decodes fold every this many tokens of a cache of "
+                                "--buffer-len (at most it; 0: the buffer length)")
+                   ->capture_default_str(),
+               &a.fold_every, 0, kMaxBufferLen);
   a.ranges.add(bench
                    ->add_option("--layers", a.layers,
                                 "Layers of one cache decoded per step before its one commit, as a "
@@ -382,6 +389,7 @@ int do_bench(BenchArgs& a) {
   }
   o.batches = a.batches;
   o.buffer_len = a.buffer_len;
+  o.fold_every = a.fold_every;
   o.checkpoints.clear();
   for (const std::string& c : a.checkpoints) o.checkpoints.push_back(checkpoint_from(c));
   o.flush = kFlushPatterns.at(a.flush);
