@@ -305,7 +305,8 @@ def bench_one(model, layout: str, mode: StateMode, batch: int, starts: list[str]
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cache = ServingCache(model, capacity=batch, max_seq_len=args.context + used + 2, mode=mode)
+    cache = ServingCache(model, capacity=batch, max_seq_len=args.context + used + 2, mode=mode,
+                         fold_every="auto" if mode.eager else args.fold_every)
     cache_bytes = (cache.ssm.nbytes + sum(t.numel() * t.element_size()
                                           for t in (cache.k, cache.v, cache.conv)))
     history = torch.zeros(batch + 1, cache.max_seq_len, dtype=torch.int64, device=device)
@@ -327,7 +328,8 @@ def bench_one(model, layout: str, mode: StateMode, batch: int, starts: list[str]
         row = dict(layout=layout, mode=str(mode), batch=batch, starts=start_kind,
                    context=args.context, ms_per_step=ms_step, ms_windows=ms,
                    tokens_per_s=batch * 1e3 / ms_step, steps_per_window=steps,
-                   cache_gb=cache_bytes / 2**30)
+                   cache_gb=cache_bytes / 2**30,
+                   fold_every=cache.fold_every(cache.layout.ssm_kind, batch, 1))
         if start_kind in args.profile_starts and batch in args.profile_batches:
             try:
                 shares, profiled_ms, source, top = breakdown(runner, max(period, PROFILE_STEPS),
@@ -472,6 +474,19 @@ def arg_parser(module: str, doc: str, default_batches: tuple[int, ...]
     return p
 
 
+def fold_every_arg(text: str) -> "str | int":
+    """--fold-every: "auto" or a non-negative integer (ServingCache checks it against L)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'auto' or a number of tokens, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of tokens >= 0, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = arg_parser("bench_e2e", __doc__, DEFAULT_BATCHES)
     p.add_argument("--modes", nargs="+", default=list(StateMode.NAMES),
@@ -485,6 +500,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the batches profiled (default: the largest of --batches)")
     p.add_argument("--profile-all", action="store_true",
                    help="profile every batch and both starts")
+    p.add_argument("--fold-every", default="auto", type=fold_every_arg,
+                   help="the replay modes' fold cadence: auto (ServingCache's rule) or tokens, "
+                        "0 = the buffer length")
     p.add_argument("--plot", metavar="JSON", help="draw a results file instead of running")
     p.add_argument("--out", help="the plot's file (default: the JSON's name with .png)")
     args = p.parse_args(argv)

@@ -163,6 +163,22 @@ def test_cuda_graphs_give_the_same_tokens_as_plain_calls(mode):
 
 # ---- the benchmark's code path ------------------------------------------------------------------
 
+def test_bench_e2e_sets_and_records_the_fold_cadence(tmp_path):
+    """--fold-every reaches the replay modes' caches (each row records its cadence; eager
+    modes keep theirs), and a value that is no cadence is refused by name."""
+    from replayssm import bench_e2e
+
+    out = tmp_path / "bench.json"
+    bench_e2e.main(["--layouts", "qwen3.5-tiny", "--modes", "eager-fp32", "replay-fp32:4",
+                    "--batches", "2", "--context", "8", "--steps", "4", "--repeats", "1",
+                    "--device", "cpu", "--dtype", "float32", "--starts", "staggered",
+                    "--profile-starts", "--fold-every", "2", "--json", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["mode"]: r["fold_every"] for r in runs} == {"eager-fp32": 0, "replay-fp32:4": 2}
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--fold-every", "soon"])
+
+
 def test_bench_e2e_runs_at_a_tiny_layout(tmp_path):
     from replayssm import bench_e2e
 
