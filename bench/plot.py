@@ -30,11 +30,21 @@ def mode_label(case):
 
 
 def protocol_panels(cases):
-    """[(title, shapes, modes, {(shape, mode): case})] per (batch, L, flush)."""
+    """[(title, shapes, modes, {(shape, mode): case})] per (batch, L, flush), L reading "F/L"
+    for replay decodes that fold every F tokens (fold_every; eager cases join every panel of
+    their L)."""
+    cadences = OrderedDict()  # (batch, buffer_len, flush) -> the replay cadences run there
+    for c in cases:
+        if c["mode"] != "eager":
+            cadences.setdefault((c["batch"], c["buffer_len"], c["flush"]), OrderedDict())[
+                c.get("fold_every", 0)] = None
     panels = OrderedDict()
     for c in cases:
-        key = (c["batch"], c["buffer_len"], c["flush"])
-        panels.setdefault(key, []).append(c)
+        where = (c["batch"], c["buffer_len"], c["flush"])
+        everys = [c.get("fold_every", 0)] if c["mode"] != "eager" else list(cadences.get(where, [0]))
+        for every in everys:
+            L = f"{every}/{c['buffer_len']}" if every else str(c["buffer_len"])
+            panels.setdefault((c["batch"], L, c["flush"]), []).append(c)
     out = []
     for (batch, L, flush), group in panels.items():
         shapes = list(OrderedDict.fromkeys(c["shape"] for c in group))
