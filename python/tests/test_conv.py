@@ -57,9 +57,10 @@ class ConvReference:
         self.history[row].extend(tokens)
 
 
-def run_pair(kind, input_dtype, rng, steps=24, T=2, bias=True):
-    """Decodes the same streams through a conv cache and a plain cache fed the reference conv;
-    returns the worst relative output difference."""
+def run_pair(kind, input_dtype, rng, steps=24, T=2, bias=True, fold_every=(0,)):
+    """Decodes the same streams through a conv cache and a plain cache fed the reference conv,
+    step s folding every fold_every[s % len] tokens (0: L) in both, whose fold cursors must
+    agree after every step; returns the worst relative output difference."""
     common = dict(num_layers=1, buffer_len=4, max_spec_tokens=T, input_dtype=input_dtype)
     conv_cfg = config(kind, conv_kernel=K, **common)
     plain_cfg = config(kind, **common)
@@ -87,6 +88,7 @@ def run_pair(kind, input_dtype, rng, steps=24, T=2, bias=True):
     ids = np.array(slots, np.int32)
     worst = 0.0
     for step in range(steps):
+        every = fold_every[step % len(fold_every)]
         # Pre-conv inputs: a column slice of a wider [batch, T, width] projection output.
         wide = rng.standard_normal((batch, T, C + 12))
         given, seen = to_input(wide, input_dtype)
@@ -104,21 +106,22 @@ def run_pair(kind, input_dtype, rng, steps=24, T=2, bias=True):
             args = (extra["dt"],)
             tail = (params.A, params.D, params.dt_bias, extra["z"])
             got = replayssm.mamba2_decode(conv_cache, 0, ids, None, *args, None, None, *tail,
-                                          conv=conv)
+                                          conv=conv, fold_every=every)
             want = replayssm.mamba2_decode(plain, 0, ids, parts["x"], *args, parts["B"],
-                                           parts["C"], *tail)
+                                           parts["C"], *tail, fold_every=every)
         else:
             extra, _ = gdn_inputs(conv_cfg, rng, batch, T)
             got = replayssm.gdn_decode(conv_cache, 0, ids, None, None, None, extra["g"],
-                                       extra["beta"], conv=conv)
+                                       extra["beta"], conv=conv, fold_every=every)
             want = replayssm.gdn_decode(plain, 0, ids, parts["q"], parts["k"], parts["v"],
-                                        extra["g"], extra["beta"])
+                                        extra["g"], extra["beta"], fold_every=every)
         got, want = from_output(got, input_dtype), from_output(want, input_dtype)
         worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
         # Rows at different positions: each accepts 1..T tokens (rejected drafts overwritten).
         accepted = rng.integers(1, T + 1, batch).astype(np.int32)
         conv_cache.commit(ids, accepted)
         plain.commit(ids, accepted)
+        assert np.array_equal(conv_cache.buffers["folded"], plain.buffers["folded"]), step
         for r in range(batch):
             ref.commit(r, list(pre_seen[r, :accepted[r]]))
     return worst
@@ -128,6 +131,14 @@ def run_pair(kind, input_dtype, rng, steps=24, T=2, bias=True):
 @pytest.mark.parametrize("kind", ["mamba2", "gdn"])
 def test_conv_cache_equals_plain_cache_fed_the_conv(kind, input_dtype, rng):
     assert run_pair(kind, input_dtype, rng) <= TOL[input_dtype]
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_conv_cache_under_a_cycling_fold_cadence(kind, rng):
+    """The cadence reaches a conv cache's decodes as a plain cache's: the same folds (cursors)
+    and outputs, folding every 1, 3 or 2 tokens or every L (0) by turns."""
+    assert run_pair(kind, "float32", rng, steps=16, T=1, fold_every=(1, 3, 0, 2)) <= \
+        TOL["float32"]
 
 
 def test_conv_without_bias_and_plain_decoding(rng):
