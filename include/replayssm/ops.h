@@ -63,9 +63,10 @@ struct ConvInputs {
 /// setting allows folds all of it); eager caches take 0 only. Outputs equal a cache of
 /// buffer_len = fold_every. A shorter cycle writes the checkpoint more often and leaves each
 /// step less history to stage and replay: on an H200 GDN single-token steps at batch 1-128 ran
-/// 2-15% faster folding every 8 than every 16, Mamba-2 steps slower (docs/BENCHMARKS.md); a
-/// shared bf16 checkpoint rounds once per fold, and an fp8 read copy serves more of each
-/// output, so those lose accuracy with it. `replayssm.models` sets it by batch.
+/// 2-15% faster folding every 8 than every 16, Mamba-2 steps slower (docs/BENCHMARKS.md). A
+/// shared bf16 checkpoint rounds once per fold, and a low-precision read copy serves more of
+/// each output as the ring part shrinks, so short cadences cost accuracy there
+/// (docs/BENCHMARKS.md measures it). `replayssm.models` sets it by batch.
 struct Mamba2DecodeArgs {
   int layer = 0;
   int batch = 0;
