@@ -37,6 +37,12 @@ const std::vector<BenchShape>& bench_shapes();
 /// The shape called `name`, or nullptr.
 const BenchShape* bench_shape_find(const std::string& name);
 
+/// Tokens per fold of replay decodes with fold cadence `fold_every` (ops.h; 0 = L) on a cache
+/// of L = `buffer_len`: what a bench's cycles, staggering and bytes model take.
+inline int fold_period(int fold_every, int buffer_len) {
+  return fold_every > 0 ? fold_every : buffer_len;
+}
+
 /// Aligned: every row folds on the same step (a batch of equal-length requests). Staggered:
 /// row b is b mod L tokens ahead, so 1/L of the rows fold on each step.
 enum class FlushPattern : std::uint8_t { kAligned, kStaggered };
@@ -50,7 +56,9 @@ struct BenchOptions {
   /// Replay decodes' fold cadence (ops.h, fold_every; 0 = L, the only value on the CPU): a
   /// plain-decoding cycle is this many steps, and staggered rows this many apart.
   int fold_every = 0;
-  [[nodiscard]] int fold_period() const { return fold_every > 0 ? fold_every : buffer_len; }
+  [[nodiscard]] int fold_period() const {
+    return ::replayssm::fold_period(fold_every, buffer_len);
+  }
   /// SSM layers of one cache decoded per step, then one commit (CUDA): a model's step commits
   /// once for all its layers, so the protocol's 1 layer charges a whole commit to every layer
   /// step, which at small batches is a large part of it. Times are then per layer step; the
@@ -85,6 +93,9 @@ struct BenchResult {
   CheckpointPrecision checkpoint = CheckpointPrecision::kFp32;  ///< replay only
   int buffer_len = 0;
   int fold_every = 0;  ///< replay: the decodes' fold cadence (BenchOptions::fold_every)
+  [[nodiscard]] int fold_period() const {
+    return ::replayssm::fold_period(fold_every, buffer_len);
+  }
   FlushPattern flush = FlushPattern::kAligned;
   int slot_groups = 1;       ///< groups of `batch` slots rotated step by step
   int layers = 1;            ///< layers decoded per step (BenchOptions::layers)
@@ -167,6 +178,9 @@ std::int64_t last_level_cache_bytes();
 /// What quick runs (`bench` without --full, `demo`) give BenchOptions::memory_budget_bytes:
 /// 2 GiB, or a quarter of the machine's memory where that is less.
 std::int64_t bench_quick_memory_budget();
+
+/// What both benches check of BenchOptions::fold_every before any work: in [0, buffer_len].
+Status validate_fold_every(const BenchOptions& options);
 
 Status run_cpu_bench(const BenchOptions& options, BenchReport* report);
 /// Implemented in bench/cuda_bench.cu by the CUDA backend; both layer families (GDN shapes

@@ -182,6 +182,13 @@ double median(std::vector<double> v) {
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+Status validate_fold_every(const BenchOptions& o) {
+  if (o.fold_every < 0 || o.fold_every > o.buffer_len) {
+    return invalid_argument("fold_every must be in [1, L], or 0 for L");
+  }
+  return Status::ok();
+}
+
 void bench_finish(BenchReport* report, const BenchOptions& options) {
   for (BenchResult& r : report->results) {
     const BenchShape* shape = bench_shape_find(r.shape);
@@ -192,7 +199,7 @@ void bench_finish(BenchReport* report, const BenchOptions& options) {
     c.mode = r.mode;
     c.state_dtype = options.eager_state_dtype;
     c.checkpoint = r.checkpoint;
-    c.buffer_len = r.fold_every > 0 ? r.fold_every : r.buffer_len;  // tokens per fold
+    c.buffer_len = r.fold_period();  // tokens per fold
     c.input_dtype = options.input_dtype;
     r.model_bytes = bytes_model_step(c).total();
     r.gbps = r.model_bytes / (r.us_per_step * 1e-6) / 1e9;

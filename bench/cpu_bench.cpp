@@ -421,9 +421,7 @@ Status validate(const BenchOptions& o) {
     if (b < 1) return invalid_argument("batch sizes must be >= 1");
   }
   if (o.buffer_len < 1) return invalid_argument("buffer_len (L) must be >= 1");
-  if (o.fold_every < 0 || o.fold_every > o.buffer_len) {
-    return invalid_argument("fold_every must be in [1, L], or 0 for L");
-  }
+  REPLAYSSM_RETURN_IF_ERROR(validate_fold_every(o));
   if (o.layers != 1) return invalid_argument("layers per step other than 1: the CUDA bench only");
   if (o.repetitions < 1 || o.warmup_cycles < 0) {
     return invalid_argument("repetitions must be >= 1 and warm-up cycles >= 0");

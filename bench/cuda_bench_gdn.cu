@@ -158,7 +158,7 @@ class CaseRunner {
   /// Staggered flushes: row b is pre-advanced by b mod L tokens (the others padded), so that
   /// afterwards 1/L of the rows fold on each step (L: the fold cadence).
   Status stagger() {
-    const int L = c_.fold_every > 0 ? c_.fold_every : c_.buffer_len;
+    const int L = fold_period(c_.fold_every, c_.buffer_len);
     for (int j = 0; j + 1 < L; ++j) {
       for (const auto& ids : host_groups_) {
         std::vector<std::int32_t> masked = ids;

@@ -33,6 +33,7 @@
 namespace replayssm {
 namespace {
 
+using testing::device_tag;
 using testing::dtype_tag;
 using testing::int_tag;
 using testing::kind_tag;
@@ -64,7 +65,6 @@ StateCacheConfig eager_config(LayerKind kind, bool odd, Device device, DType sta
   return c;
 }
 
-std::string device_tag(Device d) { return d == Device::kCuda ? "Cuda" : "Cpu"; }
 
 // ---- against the float64 oracle ----------------------------------------------------------
 

@@ -34,6 +34,7 @@
 namespace replayssm {
 namespace {
 
+using testing::device_tag;
 using testing::int_tag;
 using testing::kind_tag;
 using testing::precision_tag;
@@ -65,12 +66,6 @@ StateCacheConfig replay_config(LayerKind kind, Device device, CheckpointPrecisio
   return c;
 }
 
-std::string device_tag(Device d) { return d == Device::kCuda ? "Cuda" : "Cpu"; }
-
-void skip_without_device(Device d) {
-  if (d == Device::kCuda && !cuda_available()) GTEST_SKIP() << "no CUDA GPU";
-}
-
 // f(family) with the family of `config`, its layer parameters drawn from `rng` (Mamba-2 with
 // its gate).
 template <typename F>
@@ -99,8 +94,7 @@ class FoldCadenceCursors : public ::testing::TestWithParam<CursorCase> {};
 
 TEST_P(FoldCadenceCursors, AFoldFallsExactlyWhenTheCallsCadenceIsDue) {
   const CursorCase c = GetParam();
-  skip_without_device(c.device);
-  if (::testing::Test::IsSkipped()) return;
+  if (c.device == Device::kCuda) SKIP_WITHOUT_GPU();
   const StateCacheConfig cfg = replay_config(c.kind, c.device, CheckpointPrecision::kFp32, c.T);
   std::unique_ptr<StateCache> cache = testing::create_cache(cfg);
   const std::vector<std::int32_t> slots = {testing::allocate_slot(*cache),
@@ -175,8 +169,7 @@ class FoldCadenceOracle : public ::testing::TestWithParam<OracleCase> {};
 
 TEST_P(FoldCadenceOracle, OutputsAndStatesMatchTheOracleUnderACyclingCadence) {
   const OracleCase c = GetParam();
-  skip_without_device(c.device);
-  if (::testing::Test::IsSkipped()) return;
+  if (c.device == Device::kCuda) SKIP_WITHOUT_GPU();
   testing::RunSpec spec;
   spec.cache = replay_config(c.kind, c.device, c.precision, c.T);
   spec.batch = 3;
@@ -222,8 +215,7 @@ class FoldCadenceRefusals : public ::testing::TestWithParam<RefusalCase> {};
 
 TEST_P(FoldCadenceRefusals, ACadenceOutOfRangeOrOnAnEagerCacheIsAnErrorAndWritesNothing) {
   const RefusalCase c = GetParam();
-  skip_without_device(c.device);
-  if (::testing::Test::IsSkipped()) return;
+  if (c.device == Device::kCuda) SKIP_WITHOUT_GPU();
   StateCacheConfig replay = replay_config(c.kind, c.device, CheckpointPrecision::kFp32, 1);
   replay.num_layers = 1;  // so that a one-layer decode can be committed
   StateCacheConfig eager = replay;

@@ -38,6 +38,8 @@ std::string kind_tag(LayerKind kind) {
   return "X";
 }
 
+std::string device_tag(Device device) { return device == Device::kCuda ? "Cuda" : "Cpu"; }
+
 std::string mode_tag(DecodeMode mode) {
   switch (mode) {
     case DecodeMode::kEager: return "Eager";

@@ -20,5 +20,7 @@ std::string precision_tag(CheckpointPrecision precision);
 std::string kind_tag(LayerKind kind);
 /// "Eager" or "Replay".
 std::string mode_tag(DecodeMode mode);
+/// "Cpu" or "Cuda": a CUDA case's name holds "Cuda" (CTest's CUDA_CASES filters on it).
+std::string device_tag(Device device);
 
 }  // namespace replayssm::testing
