@@ -128,6 +128,23 @@ std::vector<SideCase> side_cases() {
   // the tensor cores (read_staged_mma), whose K = 128 variant only real shapes take.
   serving("qwen4b_b128", 128, 1, CheckpointPrecision::kFp32Bf16);
   serving("qwen4b_b128", 128, 0, CheckpointPrecision::kBf16);
+  // Four value heads per key head at serving batches (gdn_params.cuh, kReplayResidentFloor):
+  // single tokens stage all 4 heads (64: two splits, 128: one, the bf16 copy on the tensor
+  // cores, read_staged_mma); a 4-token window stages its split's 2 (64: the tiling's two
+  // splits, read_window_mma over fp8; 128: split further from one, so that 7 CTAs fit an SM);
+  // and L = 32, whose single-token staging of all 4 heads is 56 KB, stages its split's 2.
+  const auto serving122 = [&](const char* name, int batch, int window, int stagger,
+                              CheckpointPrecision p, int buffer_len) {
+    SideCase c = testing::real_shape_replay(NamedShape<GdnShape>{name, kQwen122b}, p, window,
+                                            batch, stagger, batch * stagger + 4 * buffer_len);
+    c.buffer_len = buffer_len;
+    out.push_back(c);
+  };
+  serving122("qwen122b_b64", 64, 1, 1, CheckpointPrecision::kFp32, 16);
+  serving122("qwen122b_b128", 128, 1, 1, CheckpointPrecision::kFp32Bf16, 16);
+  serving122("qwen122b_b128", 128, 4, 0, CheckpointPrecision::kBf16, 16);
+  serving122("qwen122b_b64", 64, 4, 0, CheckpointPrecision::kFp32Fp8, 16);
+  serving122("qwen122b_b64", 64, 1, 0, CheckpointPrecision::kFp32, 32);
   return out;
 }
 

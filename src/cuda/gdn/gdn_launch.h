@@ -23,8 +23,10 @@ GdnInputs input_args(const GdnDecodeArgs& args, int head_k_dim);
 RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms,
                      int ctas_per_sm, int min_splits);
 
-/// The shared memory of a replay block for a window of `num_tokens` (0: a fold).
+/// The shared memory of a replay block for a window of `num_tokens` (0: a fold), staging
+/// `heads` value heads (ReplaySmem::heads), or all of a key head's.
 ReplaySmem replay_smem(const StateCacheConfig& config, int num_tokens);
+ReplaySmem replay_smem(const StateCacheConfig& config, int num_tokens, int heads);
 
 /// What one replay launch serves: one layer's decode (`decode` set), or a fold of layers
 /// [first_layer, first_layer + num_layers) of the rows' slots (`decode` null).

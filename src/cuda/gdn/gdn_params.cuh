@@ -43,6 +43,26 @@ namespace replayssm::cuda::gdn {
 /// (the previous tile, 6 CTAs/SM, measured in that same run: 201 / 165 / 157)
 constexpr int kThreads = 128;
 constexpr int kReplayMinBlocks = 8;
+/// Shared memory against residency (gdn_replay.cu, choose_staging). A CTA stages its key
+/// head's ring records and walks for the G value heads it serves; at 4 value heads per key head
+/// (qwen35-122b) that is 34 KB a single-token CTA and 45 KB for a 4-token window, so 6 and 5
+/// CTAs share an SM where the registers allow 8 (4 for 8-token windows at either shape). So
+/// where fewer than kReplayResidentFloor CTAs staging all G fit an SM, each CTA stages only its
+/// split's heads (ReplaySmem::heads), over further splits of a key head's rows while still
+/// fewer fit; elsewhere a CTA stages only its split's heads in verify windows, and in
+/// single-token steps where that makes the whole launch resident at once (small batches).
+/// Measured (one build, the rule against REPLAYSSM_TUNE_GDN_SPLIT_HEADS=0, every CTA staging
+/// all G; qwen35-122b unless noted, L = 16, staggered, µs per step): T = 4 windows (random
+/// acceptance) at batch 256 bf16 597.3 → 497.8, fp32 687.3 → 570.1, at 64 183.4 → 145.2;
+/// qwen35-4b T = 4 at 64 95.2 → 90.2; single tokens at batch 16 bf16 39.4 → 36.7, fp32+bf16
+/// 39.6 → 36.6; T = 8 (a first call) at 64 fp32 593.2 → 345.8, qwen35-4b 175.4 → 148.0, at
+/// 256 557.5 → 518.6. Not taken, as they lost (that first call): splitting single-token steps
+/// from 6 to 8 CTAs an SM (batch 256: fp32 364.8 → 374.7, bf16 245.4 → 255.6; 1024 bf16
+/// 1030.7 → 1080.8), staging a split's heads in single-token steps of several waves (batch 64:
+/// 6 → 8 CTAs an SM, fp32 105.0 → 110.0), and splitting qwen35-4b T = 4 windows from 7 to 8
+/// (batch 256 bf16 256.3 → 276.2). docs/BENCHMARKS.md, "2026-12-04 (evening)".
+/// REPLAYSSM_TUNE_GDN_RESIDENT sets the floor (0: no further splits).
+constexpr int kReplayResidentFloor = 6;
 /// A key head's rows are split over at least this many replay CTAs, at every batch. Two splits
 /// once halved the tail of staggered steps (their folding CTAs finishing on an idle GPU); the
 /// fold-first order (kFoldFirstMinBatch) removes that tail, and one split stages each key
@@ -241,16 +261,24 @@ struct EagerParams {
 
 /// Shared memory of the replay kernel, offsets from the dynamic base. Fp32 arrays first, then
 /// the staged ring records in the input dtype (16-byte aligned for cp.async).
+///
+/// The per-value-head arrays (tq, oring, the v records, the tensor-core reads' query
+/// fragments) hold `heads` value heads: all G of the key head, or, where each split's rows
+/// are an aligned run of fewer (gdn_replay.cu, split_heads) and the launch chooses it
+/// (choose_staging, kReplayResidentFloor), only a split's: local head h at h & head_mask
+/// (staged_head).
 struct ReplaySmem {
+  int heads = 1;       ///< value heads staged: G, or a power of two below it
+  int head_mask = -1;  ///< heads − 1 where fewer than G are staged, else all ones
   int qhat = 0;   ///< float [T][kMaxHeadKDim]     q̂ of each window token (zero past K)
-  int tq = 0;     ///< float [T][G][kMaxHeadKDim]  walked queries, met by the checkpoint
-  int oring = 0;  ///< float [T][G][V]             the walks' ring part of the outputs
+  int tq = 0;     ///< float [T][heads][kMaxHeadKDim]  walked queries, met by the checkpoint
+  int oring = 0;  ///< float [T][heads][V]         the walks' ring part of the outputs
   int alpha = 0;  ///< float [records][G]          e^g
   int beta = 0;   ///< float [records][G]
   int kscale = 0;  ///< float [records]             k's normalisation factor (ring_key_scale)
   int pair_dot = 0;  ///< float [records]           folds in pairs: raw k_j·k_{j+1}, even j
   int key_bytes = 0;  ///< input_t [records][K]    raw k (history, then window); k̂ = k·kscale
-  int vec_bytes = 0;  ///< input_t [records][vec_stride]  v of the G heads
+  int vec_bytes = 0;  ///< input_t [records][vec_stride]  v of the staged heads
   int vec_stride = 0;
   int conv_q_bytes = 0;  ///< conv caches: input_t [T][K]  the window's q after the conv
   /// Single-token steps: two buffers of kReplayPassBytes, through which the read copy's passes
@@ -266,16 +294,19 @@ struct ReplaySmem {
   /// staged_mma_query_bytes).
   int mma_query = 0;
 
-  static ReplaySmem make(int T, int G, int K, int V, int records, int in_size, bool conv,
-                         int pass_bytes, int mma_query_bytes) {
+  /// `heads` of the G value heads staged; `mma_query_bytes` sized for as many.
+  static ReplaySmem make(int T, int G, int heads, int K, int V, int records, int in_size,
+                         bool conv, int pass_bytes, int mma_query_bytes) {
     ReplaySmem s;
+    s.heads = heads;
+    s.head_mask = heads < G ? heads - 1 : -1;
     int f = 0;
     s.qhat = f;
     f += T * kMaxHeadKDim;
     s.tq = f;
-    f += T * G * kMaxHeadKDim;
+    f += T * heads * kMaxHeadKDim;
     s.oring = f;
-    f += T * G * V;
+    f += T * heads * V;
     s.alpha = f;
     f += records * G;
     s.beta = f;
@@ -287,7 +318,7 @@ struct ReplaySmem {
     f = (f + 3) / 4 * 4;
     s.key_bytes = f * 4;
     const int per16 = 16 / in_size;
-    s.vec_stride = (G * V + per16 - 1) / per16 * per16;
+    s.vec_stride = (heads * V + per16 - 1) / per16 * per16;
     s.vec_bytes = s.key_bytes + records * K * in_size;
     s.bytes = s.vec_bytes + records * s.vec_stride * in_size;
     if (conv) {

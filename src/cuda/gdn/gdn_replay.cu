@@ -68,6 +68,15 @@ constexpr int kFoldRows = 2;
 constexpr int kFoldPassRows = kRowGroups * kFoldRows;
 static_assert(kSplitRows == kFoldPassRows, "a split is whole fold passes");
 
+/// Where local value head h (of the key head's G) lies in the staged per-head arrays
+/// (ReplaySmem::heads): h itself where all G are staged, else h's place among its split's
+/// heads, which are an aligned run of a power of two (ReplaySmem::head_mask). Row r of head h
+/// is staged at r − (h − staged_head(h))·V. One AND with a launch constant: no register is
+/// held for it across the kernel (a per-CTA offset raised the kernels' spills).
+__device__ __forceinline__ int staged_head(const ReplayParams& p, int h) {
+  return h & p.smem.head_mask;
+}
+
 /// Phase 1: the committed history's records (positions first .. first+hist-1) into shared
 /// memory, as staged ring records [j] = position first + j.
 template <typename input_t>
@@ -90,6 +99,9 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
   // Only the v of the value heads this CTA's rows belong to, when a head is whole vectors.
   const bool head_runs = V * in % 16 == 0;
   const int vec_c0 = head_runs ? h_lo * V * in / 16 : 0;
+  // The staged v begin at the first staged head's (staged_head: 0 where all G are staged,
+  // which is where head_runs or vec_async may be false).
+  const int vec_dst0 = (h_lo - staged_head(p, h_lo)) * V * in;
   const int vec_chunks = !p.vec_async ? 0 : head_runs ? (h_hi + 1 - h_lo) * V * in / 16
                                                        : G * V * in / 16;
   const int per_record = key_chunks + vec_chunks;
@@ -102,7 +114,7 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
                  ring_key + ((rec * Hk + hk) * K) * in + c * 16);
     } else {
       const int cv = vec_c0 + c - key_chunks;
-      cp_async16(s_vec + (j * p.smem.vec_stride) * in + cv * 16,
+      cp_async16(s_vec + (j * p.smem.vec_stride) * in + cv * 16 - vec_dst0,
                  ring_vec + ((rec * Hv + h0) * V) * in + cv * 16);
     }
   }
@@ -135,7 +147,7 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
 template <typename input_t, bool kConv>
 __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, int slot, int hk,
                                              int b, std::uint32_t committed, int hist,
-                                             bool append, unsigned char* smem) {
+                                             int h_lo, bool append, unsigned char* smem) {
   const StateCacheLayout& l = p.cache;
   const GdnInputs& in = p.in;
   const int K = l.dims.cols, V = l.dims.rows, Hk = l.dims.key_heads, Hv = l.dims.heads;
@@ -210,14 +222,20 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
       }
     }
   }
-  const int n = G * V;
+  // v of the staged heads (elements [e_lo, e_hi) of the key head's G·V); the appending CTA
+  // copies every head's into the ring.
+  const int e_lo = (h_lo - staged_head(p, h_lo)) * V;
+  const int e_hi = min(G * V, e_lo + p.smem.heads * V);
+  const int e_first = append ? 0 : e_lo;
+  const int n = (append ? G * V : e_hi) - e_first;
   for (int i = threadIdx.x; i < T * n; i += blockDim.x) {
     const int t = i / n;
-    const int e = i - t * n;
+    const int e = e_first + i - t * n;
+    const bool staged = e >= e_lo && e < e_hi;
     const input_t x =
-        kConv ? s_vec[(hist + t) * p.smem.vec_stride + e]
+        kConv ? s_vec[(hist + t) * p.smem.vec_stride + e]  // conv caches stage every head
              : static_cast<const input_t*>(in.v)[((std::int64_t{b} * T + t) * Hv + h0) * V + e];
-    s_vec[(hist + t) * p.smem.vec_stride + e] = x;
+    if (staged) s_vec[(hist + t) * p.smem.vec_stride + e - e_lo] = x;
     if (append) {
       const std::int64_t rec = l.ring_record(layer, slot, committed + std::uint32_t(t));
       ring_vec[(rec * Hv + h0) * V + e] = x;
@@ -269,10 +287,11 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float* s_f = reinterpret_cast<float*>(smem);
   const auto [s_alpha, s_beta, s_kscale, s_key, s_vec] = staged_records<input_t>(p, smem);
-  const int nh = h_hi - h_lo + 1;
+  const int nh = h_hi - h_lo + 1, Hs = p.smem.heads;
   for (int id = warp; id < T * nh; id += blockDim.x / 32) {
     const int t = id / nh;
     const int h = h_lo + (id - t * nh);
+    const int hs = staged_head(p, h);
     float q[kWalkPerLane], acc[kWalkPerLane];
 #pragma unroll
     for (int i = 0; i < kWalkPerLane; ++i) {
@@ -292,7 +311,7 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
       }
       kq = group_sum<32>(kq);
       const float coeff = s_beta[j * G + h] * kq;
-      const input_t* vec = s_vec + j * p.smem.vec_stride + h * V;
+      const input_t* vec = s_vec + j * p.smem.vec_stride + hs * V;
 #pragma unroll
       for (int i = 0; i < kWalkPerLane; ++i) {
         const int r = lane + 32 * i;
@@ -304,9 +323,9 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
     }
 #pragma unroll
     for (int i = 0; i < kWalkPerLane; ++i) {
-      s_f[p.smem.tq + (t * G + h) * kMaxHeadKDim + lane + 32 * i] = q[i];  // zero past K
+      s_f[p.smem.tq + (t * Hs + hs) * kMaxHeadKDim + lane + 32 * i] = q[i];  // zero past K
       const int r = lane + 32 * i;
-      if (r < V) s_f[p.smem.oring + (t * G + h) * V + r] = acc[i];
+      if (r < V) s_f[p.smem.oring + (t * Hs + hs) * V + r] = acc[i];
     }
   }
 }
@@ -331,10 +350,11 @@ __device__ __forceinline__ void walk_window(const ReplayParams& p, int hist, int
   float* s_f = reinterpret_cast<float*>(smem);
   const auto [s_alpha, s_beta, s_kscale, s_key, s_vec] = staged_records<input_t>(p, smem);
   using Vec = Packed<input_t, kWalkPerLane>;
-  const int nh = h_hi - h_lo + 1;
+  const int nh = h_hi - h_lo + 1, Hs = p.smem.heads;
   for (int id = warp; id < T * nh; id += blockDim.x / 32) {
     const int t = id / nh;
     const int h = h_lo + (id - t * nh);
+    const int hs = staged_head(p, h);
     float q[kWalkPerLane], acc[kWalkPerLane] = {};
     {
       const float* qhat = s_f + p.smem.qhat + t * kMaxHeadKDim;  // zero past K
@@ -356,7 +376,7 @@ __device__ __forceinline__ void walk_window(const ReplayParams& p, int hist, int
       for (int i = 0; i < kWalkPerLane; ++i) kq += kv[i] * q[i];
       kq = group_sum<32>(kq);
       const float coeff = s_beta[j * G + h] * kq;
-      const input_t* vec = s_vec + j * p.smem.vec_stride + h * V + c0;
+      const input_t* vec = s_vec + j * p.smem.vec_stride + hs * V + c0;
       float x[kWalkPerLane] = {};
       if (vec_whole) {
         if (c0 < V) {
@@ -376,11 +396,11 @@ __device__ __forceinline__ void walk_window(const ReplayParams& p, int hist, int
 #pragma unroll
       for (int i = 0; i < kWalkPerLane; ++i) q[i] = a * (q[i] - coeff * kv[i]);
     }
-    *reinterpret_cast<float4*>(s_f + p.smem.tq + (t * G + h) * kMaxHeadKDim + c0) =
+    *reinterpret_cast<float4*>(s_f + p.smem.tq + (t * Hs + hs) * kMaxHeadKDim + c0) =
         make_float4(q[0], q[1], q[2], q[3]);
 #pragma unroll
     for (int i = 0; i < kWalkPerLane; ++i) {
-      if (c0 + i < V) s_f[p.smem.oring + (t * G + h) * V + c0 + i] = acc[i];
+      if (c0 + i < V) s_f[p.smem.oring + (t * Hs + hs) * V + c0 + i] = acc[i];
     }
   }
 }
@@ -391,26 +411,27 @@ __device__ __forceinline__ int value_head(const ReplayParams& p, int r) {
 }
 
 /// Phase 3 for one row (this lane's values s of the read copy, order_t layout): the T outputs
-/// o_t[row] = S_read[row]·t_t + ring part, for row v of local value head h. `out` is the row's
+/// o_t[row] = S_read[row]·t_t + ring part, for row v of the value head staged at hs
+/// (staged_head). `out` is the row's
 /// output of token 0 (token t's is t·Hv·V further). Every lane of the warp must call it (the
 /// sums shuffle). With kScatter, verify windows sum tokens in pairs (group_sum8_scatter: half
 /// the shuffles), two lanes storing them; in fours it spilled under the 64-register cap.
 template <typename input_t, typename order_t, bool kScatter>
-__device__ __forceinline__ void emit_outputs(const ReplayParams& p, int h, int v, input_t* out,
+__device__ __forceinline__ void emit_outputs(const ReplayParams& p, int hs, int v, input_t* out,
                                              bool active, const float (&s)[kPerLane],
                                              const float* s_f, int lane) {
-  const int V = p.cache.dims.rows, Hv = p.cache.dims.heads, G = p.heads_per_key;
+  const int V = p.cache.dims.rows, Hv = p.cache.dims.heads, Hs = p.smem.heads;
   const int T = p.num_tokens;
   const auto part = [&](int t) {  // this lane's share of S_read[row]·t_t
     float q[kPerLane];
-    gather_smem<order_t>(s_f + p.smem.tq + (t * G + h) * kMaxHeadKDim, lane, q);
+    gather_smem<order_t>(s_f + p.smem.tq + (t * Hs + hs) * kMaxHeadKDim, lane, q);
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) dot += s[i] * q[i];
     return dot;
   };
   const auto store = [&](int t, float dot) {
-    out[t * Hv * V] = from_float<input_t>(s_f[p.smem.oring + (t * G + h) * V + v] + dot);
+    out[t * Hv * V] = from_float<input_t>(s_f[p.smem.oring + (t * Hs + hs) * V + v] + dot);
   };
   static_assert(kRowLanes == 8, "group_sum8_scatter sums over 8 lanes");
   int t0 = 0;
@@ -449,7 +470,7 @@ __device__ __forceinline__ int mma_read_col(int step, int e, int t) {
 template <typename read_t>
 __device__ __forceinline__ void stage_query_fragments(const ReplayParams& p, int h_lo, int h_hi,
                                                       unsigned char* smem) {
-  const int G = p.heads_per_key, T = p.num_tokens;
+  const int Hs = p.smem.heads, T = p.num_tokens;
   const int steps = mma_read_steps(p.cache.dims.cols, int(sizeof(read_t)));
   const float* s_f = reinterpret_cast<const float*>(smem);
   auto* frags = reinterpret_cast<uint4*>(smem + p.smem.mma_query);
@@ -457,11 +478,11 @@ __device__ __forceinline__ void stage_query_fragments(const ReplayParams& p, int
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int lane = i % 32, g = lane / 4, t = lane % 4;
     const int step = (i / 32) % steps;
-    const int h = h_lo + i / (32 * steps);
+    const int h = staged_head(p, h_lo + i / (32 * steps));
     std::uint32_t hi[2] = {0u, 0u}, lo[2] = {0u, 0u};
     if (g < T) {
       // Past K the walked queries are zero (tq is kMaxHeadKDim wide, zero past K).
-      const float* q = s_f + p.smem.tq + (g * G + h) * kMaxHeadKDim;
+      const float* q = s_f + p.smem.tq + (g * Hs + h) * kMaxHeadKDim;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int c = mma_read_col<read_t>(step, e, t);
@@ -504,7 +525,7 @@ __device__ __forceinline__ void read_window_mma(const ReplayParams& p, const Che
   constexpr int vc = mma_vector_cols(int(sizeof(read_t))), spv = vc / 4;
   constexpr int kVecs = kMaxHeadKDim / (4 * vc);  // 16-byte vectors of a row per lane
   const int K = p.cache.dims.cols, V = p.cache.dims.rows, Hv = p.cache.dims.heads;
-  const int G = p.heads_per_key, T = p.num_tokens;
+  const int Hs = p.smem.heads, T = p.num_tokens;
   const int steps = mma_read_steps(K, int(sizeof(read_t)));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float* s_f = reinterpret_cast<const float*>(smem);
@@ -536,6 +557,7 @@ __device__ __forceinline__ void read_window_mma(const ReplayParams& p, const Che
       }
     }
     const int h = value_head(p, r0);  // the tile's local value head
+    const int hs = staged_head(p, h);
     float acc[4] = {};
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
@@ -545,7 +567,7 @@ __device__ __forceinline__ void read_window_mma(const ReplayParams& p, const Che
         std::uint32_t fa[4];  // a0 (row g), a1 (row g + 8), a2 (row g), a3 (row g + 8)
         mma_read_pairs<read_t>(a[0][j], w, fa[0], fa[2]);
         mma_read_pairs<read_t>(a[1][j], w, fa[1], fa[3]);
-        const uint4 b = frags[(h * steps + j * spv + w) * 32 + lane];
+        const uint4 b = frags[(hs * steps + j * spv + w) * 32 + lane];
         mma_bf16(acc, fa, b.x, b.y);
         mma_bf16(acc, fa, b.z, b.w);
       }
@@ -558,7 +580,7 @@ __device__ __forceinline__ void read_window_mma(const ReplayParams& p, const Che
       if (r >= row_end || n >= T) continue;
       const int v = r - h * V;
       out_rows[std::int64_t{n} * Hv * V + r] = from_float<input_t>(
-          s_f[p.smem.oring + (n * G + h) * V + v] + acc[e] * scale[e / 2]);
+          s_f[p.smem.oring + (n * Hs + hs) * V + v] + acc[e] * scale[e / 2]);
     }
   }
 }
@@ -577,7 +599,8 @@ __device__ __forceinline__ void stage_step_fragments(const ReplayParams& p, int 
   auto* frags = reinterpret_cast<uint4*>(smem + p.smem.mma_query);
   const int n = (h_hi - h_lo + 1) * steps * 4;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int t = i % 4, step = (i / 4) % steps, h = h_lo + i / (4 * steps);
+    const int t = i % 4, step = (i / 4) % steps;
+    const int h = staged_head(p, h_lo + i / (4 * steps));
     const float* q = s_f + p.smem.tq + h * kMaxHeadKDim;  // zero past K
     const int c = 8 * (4 * (step / 2) + t) + 4 * (step % 2);
     std::uint32_t w[4];
@@ -591,8 +614,8 @@ __device__ __forceinline__ void stage_step_fragments(const ReplayParams& p, int 
     }
     frags[(h * steps + step) * 4 + t] = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  for (int i = threadIdx.x; i < steps * 4; i += blockDim.x) {  // the zeros past the G heads
-    frags[p.heads_per_key * steps * 4 + i] = make_uint4(0u, 0u, 0u, 0u);
+  for (int i = threadIdx.x; i < steps * 4; i += blockDim.x) {  // the zeros past the heads
+    frags[p.smem.heads * steps * 4 + i] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -632,13 +655,13 @@ __device__ __forceinline__ void read_staged_mma(const ReplayParams& p, const Che
   using read_t = typename CheckpointTypes<P>::read_t;
   constexpr int kPassRows = 8 * kWarps;
   const int K = kFullRows ? kMaxHeadKDim : p.cache.dims.cols;
-  const int G = p.heads_per_key;
+  const int V = p.cache.dims.rows, G = p.heads_per_key, Hs = p.smem.heads;
   const int steps = staged_mma_steps(K);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float* s_f = reinterpret_cast<const float*>(smem);
-  // Lanes g > 0 read their (zero) A registers from the zero fragments past the G heads'.
+  // Lanes g > 0 read their (zero) A registers from the zero fragments past the staged heads'.
   const auto* frags = reinterpret_cast<const uint4*>(smem + p.smem.mma_query) +
-                      (g == 0 ? t : G * steps * 4 + t);
+                      (g == 0 ? t : Hs * steps * 4 + t);
   const int first = row_begin + 8 * int(threadIdx.x / 32);  // this warp's rows of pass 0
   const read_t* lane_row = ck.read_row(min(first + g, row_end - 1));
   const std::int64_t pass_elems = std::int64_t{kPassRows} * K;
@@ -658,7 +681,8 @@ __device__ __forceinline__ void read_staged_mma(const ReplayParams& p, const Che
                  : make_uint4(0u, 0u, 0u, 0u);
     }
     const int h = min(value_head(p, unit), G - 1);  // past the end: any head, nothing stored
-    const uint4* f = frags + h * steps * 4 * (g == 0);
+    const int hs = staged_head(p, h);
+    const uint4* f = frags + hs * steps * 4 * (g == 0);
     float acc[4] = {};
 #pragma unroll
     for (int step = 0; step < 2 * kPassPieces; ++step) {
@@ -676,7 +700,8 @@ __device__ __forceinline__ void read_staged_mma(const ReplayParams& p, const Che
     issue_pass_mma(lane_row + 2 * pass_elems, unit + 2 * kPassRows + g < row_end, K, buf);
     const int r = unit + 2 * t;  // D[0][2t + e] + D[8][2t + e]: rows r and r + 1
     if (g == 0 && r < row_end) {  // the ring part of token 0's output: oring + row
-      const float2 ring = *reinterpret_cast<const float2*>(s_f + p.smem.oring + r);
+      const float2 ring =
+          *reinterpret_cast<const float2*>(s_f + p.smem.oring + r - (h - hs) * V);
       Packed<input_t, 2> out;
       out.pack({ring.x + acc[0] + acc[2], ring.y + acc[1] + acc[3]});
       out.store(out_rows + r);
@@ -839,7 +864,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   // Phase 1.
   stage_history<input_t>(p, layer, slot, hk, first, hist, h_lo, h_hi, smem);
   if (T > 0) {
-    stage_window<input_t, kConv>(p, layer, slot, hk, b, committed, hist, split == 0, smem);
+    stage_window<input_t, kConv>(p, layer, slot, hk, b, committed, hist, h_lo, split == 0,
+                                 smem);
   }
   if (T > 0 && hk == 0 && split == 0 && threadIdx.x == 0) {
     l.pending[l.layer_slot(layer, slot)] = static_cast<std::uint8_t>(T);
@@ -916,8 +942,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
         const int h = min(value_head(p, r), G - 1);  // past the end: any head, nothing stored
         // pairs spilled with an fp8 read copy (ptxas, sm_90)
         constexpr bool kPairs = kWindow && sizeof(read_t) > 1;
-        emit_outputs<input_t, read_t, kPairs>(p, h, r - h * V, out_rows + r, r < row_end, s, s_f,
-                                              lane);
+        emit_outputs<input_t, read_t, kPairs>(p, staged_head(p, h), r - h * V, out_rows + r,
+                                              r < row_end, s, s_f, lane);
       }
       if constexpr (kStagedPasses) issue_pass(base + 2 * kPassRows, buf);
     }
@@ -951,14 +977,18 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
                   std::uint32_t(min(kFoldPassRows, row_end - next) * K * int(sizeof(master_t))));
     }
     float s[kFoldRows][kPerLane];
-    int row[kFoldRows], h[kFoldRows];
+    // Each row's local value head and its staged v (staged_head): the replay reads only
+    // these; the row itself is derived again for the stores, so that no third index per row
+    // is live across it (one more each raised the spills under the 64-register cap).
+    int vrow[kFoldRows], h[kFoldRows];
 #pragma unroll
     for (int u = 0; u < kFoldRows; ++u) {
-      row[u] = min(r0 + u * kRowGroups, row_end - 1);
-      h[u] = value_head(p, row[u]);
+      const int row = min(r0 + u * kRowGroups, row_end - 1);
+      h[u] = value_head(p, row);
+      vrow[u] = row - (h[u] - staged_head(p, h[u])) * V;
       MasterFrag m;
       if (r0 + u * kRowGroups < row_end) {
-        load_cols<CacheOp::kStreaming>(m, ck.master_row(row[u]), lane, K);
+        load_cols<CacheOp::kStreaming>(m, ck.master_row(row), lane, K);
       } else {
         m = {};
       }
@@ -998,8 +1028,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
       for (int u = 0; u < kFoldRows; ++u) {
         const float p0 = group_sum<kRowLanes>(dot0[u]), p1 = group_sum<kRowLanes>(dot1[u]);
         const float a0 = s_alpha[j * G + h[u]], a1 = s_alpha[(j + 1) * G + h[u]];
-        const float x0 = to_float(s_vec[j * p.smem.vec_stride + row[u]]);
-        const float x1 = to_float(s_vec[(j + 1) * p.smem.vec_stride + row[u]]);
+        const float x0 = to_float(s_vec[j * p.smem.vec_stride + vrow[u]]);
+        const float x1 = to_float(s_vec[(j + 1) * p.smem.vec_stride + vrow[u]]);
         const float d0 = s_beta[j * G + h[u]] * (x0 - a0 * p0 * ks0) * ks0;
         const float q1 = (a1 * (a0 * p1 + d0 * kk)) * ks1;
         const float d1 = s_beta[(j + 1) * G + h[u]] * (x1 - q1) * ks1;
@@ -1041,7 +1071,7 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
           dot += s[u][i] * key[i];
         }
         dot = group_sum<kRowLanes>(dot) * key_scale;
-        const float x = to_float(s_vec[j * p.smem.vec_stride + row[u]]);
+        const float x = to_float(s_vec[j * p.smem.vec_stride + vrow[u]]);
         const float d = s_beta[j * G + h[u]] * (x - dot) * key_scale;
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) s[u][i] += d * key[i];
@@ -1050,10 +1080,12 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
 #pragma unroll
     for (int u = 0; u < kFoldRows; ++u) {
       const bool active = r0 + u * kRowGroups < row_end;
-      checkpoint_store_cols<P, read_t>(ck, row[u], lane, active, K, s[u]);
+      const int hs = staged_head(p, h[u]);
+      const int row = vrow[u] + (h[u] - hs) * V;
+      checkpoint_store_cols<P, read_t>(ck, row, lane, active, K, s[u]);
       if (T > 0) {
-        emit_outputs<input_t, read_t, false>(p, h[u], row[u] - h[u] * V, out_rows + row[u],
-                                             active, s[u], s_f, lane);
+        emit_outputs<input_t, read_t, false>(p, hs, row - h[u] * V, out_rows + row, active,
+                                             s[u], s_f, lane);
       }
     }
   }
@@ -1073,6 +1105,55 @@ bool tc_read_fits(CheckpointPrecision p, bool window, bool conv, int head_v_dim)
          head_v_dim % 16 == 0;
 }
 
+/// The value heads a CTA of tiling `t` could stage (ReplaySmem::heads): where every split's
+/// rows are an aligned run of a power of two of whole heads, or lie in one head, that many
+/// (staged_head), if the cache can stage head by head: a plain cache (a conv cache convolves
+/// every head's channels) whose v records of one head are whole 16-byte vectors
+/// (stage_history). Else all G.
+int split_heads(const ReplayParams& p, const RowTiling& t) {
+  const int G = p.heads_per_key, V = p.cache.dims.rows, R = t.rows_per_split;
+  const bool conv = p.in.conv.in != nullptr;
+  const int in_size = static_cast<int>(dtype_size(p.cache.config.input_dtype));
+  if (t.splits == 1 || conv || !p.vec_async || V * in_size % 16 != 0) return G;
+  const int heads = R % V == 0 ? R / V : V % R == 0 ? 1 : G;
+  return heads < G && (heads & (heads - 1)) == 0 ? heads : G;
+}
+
+/// A replay launch's tiling and the value heads its CTAs stage (ReplaySmem::heads).
+struct Staging {
+  RowTiling tiling;
+  int heads = 1;
+};
+
+/// The staging of a launch of `batch` rows, from the tiling `tiling_of(1)` picks
+/// (gdn_params.cuh, kReplayResidentFloor). Where fewer than `floor` CTAs staging all G heads
+/// fit an SM, each CTA stages only its split's heads, over further splits while still fewer fit;
+/// else a CTA stages only its split's heads in verify windows, and in single-token steps where
+/// that makes the whole launch resident at once. `split_mode` (REPLAYSSM_TUNE_GDN_SPLIT_HEADS):
+/// 0 every CTA stages all G, 1 this rule, 2 a split's heads wherever the tiling allows (no
+/// further splits).
+template <typename TilingOf, typename ResidentOf>
+Staging choose_staging(const ReplayParams& p, int batch, bool window, int sms, int floor,
+                       int split_mode, const TilingOf& tiling_of, const ResidentOf& resident_of) {
+  const int G = p.heads_per_key;
+  Staging s{tiling_of(1), G};
+  if (split_mode == 0) return s;
+  const bool crowded = split_mode == 1 && resident_of(G) < floor;
+  // The next split count that stages fewer heads (counts whose splits are not aligned runs of
+  // heads are skipped), until the row tiling splits no further.
+  for (RowTiling at = s.tiling; crowded && resident_of(split_heads(p, s.tiling)) < floor;) {
+    const RowTiling finer = tiling_of(at.splits + 1);
+    if (finer.splits <= at.splits) break;
+    at = finer;
+    if (split_heads(p, finer) < split_heads(p, s.tiling)) s.tiling = finer;
+  }
+  const int heads = split_heads(p, s.tiling);
+  const std::int64_t ctas = std::int64_t{batch} * p.cache.dims.key_heads * s.tiling.splits;
+  const bool one_wave = ctas <= std::int64_t{sms} * resident_of(heads);
+  if (split_mode == 2 || crowded || window || one_wave) s.heads = heads;
+  return s;
+}
+
 template <typename input_t, CheckpointPrecision P>
 Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   using read_t = typename CheckpointTypes<P>::read_t;
@@ -1089,15 +1170,30 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   static const int ctas_per_sm =
       tuning_value("REPLAYSSM_TUNE_GDN_CTAS_PER_SM", kReplayMinBlocks);
   static const int split_rows = tuning_value("REPLAYSSM_TUNE_GDN_SPLIT_ROWS", kSplitRows);
-  p.tiling = row_tiling(batch, p.cache.dims.key_heads, group_rows,
-                        split_granule(kRowGroups * kOutputRows<read_t>, split_rows, kRowGroups),
-                        limits.sms, ctas_per_sm, min_splits);
+  static const int resident_floor =
+      tuning_value("REPLAYSSM_TUNE_GDN_RESIDENT", kReplayResidentFloor);
+  static const int split_mode = tuning_value("REPLAYSSM_TUNE_GDN_SPLIT_HEADS", 1);
+  const bool conv = p.in.conv.in != nullptr;
+  const bool window_kernel = takes_window_kernel(conv, p.num_tokens);
+  const auto tiling_of = [&](int splits_at_least) {
+    return row_tiling(batch, p.cache.dims.key_heads, group_rows,
+                      split_granule(kRowGroups * kOutputRows<read_t>, split_rows, kRowGroups),
+                      limits.sms, ctas_per_sm, std::max(min_splits, splits_at_least));
+  };
+  // CTAs of `heads` staged that an SM holds: its shared memory's share, the registers' at most.
+  const auto resident_of = [&](int heads) {
+    const int bytes =
+        replay_smem(p.cache.config, p.num_tokens, heads).bytes + limits.smem_reserved;
+    return std::min(kReplayMinBlocks, limits.smem_per_sm / bytes);
+  };
+  const Staging staging = choose_staging(p, batch, window_kernel, limits.sms, resident_floor,
+                                         split_mode, tiling_of, resident_of);
+  p.tiling = staging.tiling;
+  p.smem = replay_smem(p.cache.config, p.num_tokens, staging.heads);
   p.fold_first = use_fold_first(batch, p.num_tokens, fold_first_min_batch);
   static const int l2_passes = tuning_value("REPLAYSSM_TUNE_GDN_L2_PASSES", kL2PrefetchPasses);
   static const int l2_min_batch =
       tuning_value("REPLAYSSM_TUNE_GDN_L2_MIN_BATCH", kL2PrefetchMinBatch);
-  const bool conv = p.in.conv.in != nullptr;
-  const bool window_kernel = takes_window_kernel(conv, p.num_tokens);
   static const bool tc_read = tuning_value("REPLAYSSM_TUNE_GDN_TC_READ", 1) != 0;
   static const int staged_mma_min_batch =
       tuning_value("REPLAYSSM_TUNE_GDN_STAGED_MMA_MIN_BATCH", kStagedMmaMinBatch);
@@ -1129,6 +1225,10 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
 }  // namespace
 
 ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
+  return replay_smem(c, num_tokens, c.dims().heads_per_key());
+}
+
+ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens, int heads) {
   const StateDims d = c.dims();
   const bool conv = c.conv_kernel > 0;
   const bool window = takes_window_kernel(conv, num_tokens);
@@ -1136,11 +1236,12 @@ ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens) {
   const int G = d.heads_per_key();
   int query_bytes = 0;
   if (tc_read_fits(c.checkpoint, window, conv, d.rows)) {
-    query_bytes = stages_on_tensor_cores(c.checkpoint, window, conv)
-                      ? staged_mma_query_bytes(G, d.cols)
-                      : mma_query_bytes(G, d.cols, checkpoint_traits(c.checkpoint).read_bytes());
+    query_bytes =
+        stages_on_tensor_cores(c.checkpoint, window, conv)
+            ? staged_mma_query_bytes(heads, d.cols)
+            : mma_query_bytes(heads, d.cols, checkpoint_traits(c.checkpoint).read_bytes());
   }
-  return ReplaySmem::make(num_tokens, G, d.cols, d.rows,
+  return ReplaySmem::make(num_tokens, G, heads, d.cols, d.rows,
                           max_history(c.buffer_len, c.max_spec_tokens) + num_tokens,
                           static_cast<int>(dtype_size(c.input_dtype)), conv,
                           staged ? kReplayPassBytes : 0, query_bytes);
@@ -1165,7 +1266,6 @@ Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t s
   }
   const int T = p.num_tokens;
   const int num_layers = T > 0 ? 1 : work.num_layers;
-  p.smem = replay_smem(c, T);
   p.records = max_history(c.buffer_len, c.max_spec_tokens) + T;
   const std::int64_t vec_run = std::int64_t{G} * V * in_size;
   p.vec_async = vec_run % 16 == 0 && (std::int64_t{l.dims.heads} * V * in_size) % 16 == 0;
