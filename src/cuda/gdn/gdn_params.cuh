@@ -45,7 +45,7 @@ constexpr int kThreads = 128;
 constexpr int kReplayMinBlocks = 8;
 /// Shared memory against residency (gdn_replay.cu, choose_staging). A CTA stages its key
 /// head's ring records and walks for the G value heads it serves; at 4 value heads per key head
-/// (qwen35-122b) that is 34 KB a single-token CTA and 45 KB for a 4-token window, so 6 and 5
+/// (qwen35-122b) that is 33 KB a single-token CTA and 43 KB for a 4-token window, so 6 and 5
 /// CTAs share an SM where the registers allow 8 (4 for 8-token windows at either shape). So
 /// where fewer than kReplayResidentFloor CTAs staging all G fit an SM, each CTA stages only its
 /// split's heads (ReplaySmem::heads), over further splits of a key head's rows while still
@@ -270,8 +270,9 @@ struct EagerParams {
 struct ReplaySmem {
   int heads = 1;       ///< value heads staged: G, or a power of two below it
   int head_mask = -1;  ///< heads − 1 where fewer than G are staged, else all ones
-  int qhat = 0;   ///< float [T][kMaxHeadKDim]     q̂ of each window token (zero past K)
-  int tq = 0;     ///< float [T][heads][kMaxHeadKDim]  walked queries, met by the checkpoint
+  /// float [T][heads][kMaxHeadKDim]: each window token's q̂ (zero past K), which each walk
+  /// turns into its walked query, met by the checkpoint (gdn_replay.cu, stage_window)
+  int tq = 0;
   int oring = 0;  ///< float [T][heads][V]         the walks' ring part of the outputs
   int alpha = 0;  ///< float [records][G]          e^g
   int beta = 0;   ///< float [records][G]
@@ -301,8 +302,6 @@ struct ReplaySmem {
     s.heads = heads;
     s.head_mask = heads < G ? heads - 1 : -1;
     int f = 0;
-    s.qhat = f;
-    f += T * kMaxHeadKDim;
     s.tq = f;
     f += T * heads * kMaxHeadKDim;
     s.oring = f;

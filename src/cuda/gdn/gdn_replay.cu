@@ -143,11 +143,14 @@ __device__ __forceinline__ void stage_history(const ReplayParams& p, int layer, 
 
 /// Phase 1, window: records of the T tokens at staged index hist + t (raw k and its factor,
 /// v, β, g), appended to the ring at position committed + t by split 0 (the other splits of
-/// the key head stage the same values). q̂ of each token into s_qhat.
+/// the key head stage the same values). q̂ of each token into the walked-query rows (tq) of
+/// every head the CTA walks: each walk starts from its own row and leaves its result there, so
+/// no walk reads a row another writes, and q̂ takes no shared memory of its own.
 template <typename input_t, bool kConv>
 __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, int slot, int hk,
                                              int b, std::uint32_t committed, int hist,
-                                             int h_lo, bool append, unsigned char* smem) {
+                                             int h_lo, int h_hi, bool append,
+                                             unsigned char* smem) {
   const StateCacheLayout& l = p.cache;
   const GdnInputs& in = p.in;
   const int K = l.dims.cols, V = l.dims.rows, Hk = l.dims.key_heads, Hv = l.dims.heads;
@@ -216,9 +219,10 @@ __device__ __forceinline__ void stage_window(const ReplayParams& p, int layer, i
     } else {
       float x[kWalkPerLane];
       normalise_warp(src, K, in.qk_l2norm, in.q_scale, lane, x);
+      for (int h = h_lo; h <= h_hi; ++h) {
+        float* row = s_f + p.smem.tq + (t * p.smem.heads + staged_head(p, h)) * kMaxHeadKDim;
 #pragma unroll
-      for (int i = 0; i < kWalkPerLane; ++i) {
-        s_f[p.smem.qhat + t * kMaxHeadKDim + lane + 32 * i] = x[i];  // zero past K
+        for (int i = 0; i < kWalkPerLane; ++i) row[lane + 32 * i] = x[i];  // zero past K
       }
     }
   }
@@ -295,7 +299,7 @@ __device__ __forceinline__ void walk(const ReplayParams& p, int hist, int stop, 
     float q[kWalkPerLane], acc[kWalkPerLane];
 #pragma unroll
     for (int i = 0; i < kWalkPerLane; ++i) {
-      q[i] = s_f[p.smem.qhat + t * kMaxHeadKDim + lane + 32 * i];
+      q[i] = s_f[p.smem.tq + (t * Hs + hs) * kMaxHeadKDim + lane + 32 * i];  // q̂_t
       acc[i] = 0.0f;
     }
     for (int j = hist + t; j >= stop; --j) {
@@ -357,7 +361,7 @@ __device__ __forceinline__ void walk_window(const ReplayParams& p, int hist, int
     const int hs = staged_head(p, h);
     float q[kWalkPerLane], acc[kWalkPerLane] = {};
     {
-      const float* qhat = s_f + p.smem.qhat + t * kMaxHeadKDim;  // zero past K
+      const float* qhat = s_f + p.smem.tq + (t * Hs + hs) * kMaxHeadKDim;  // q̂_t, 0 past K
       const float4 v = *reinterpret_cast<const float4*>(qhat + c0);
       q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
     }
@@ -864,8 +868,8 @@ __global__ void __launch_bounds__(kThreads, kReplayMinBlocks)
   // Phase 1.
   stage_history<input_t>(p, layer, slot, hk, first, hist, h_lo, h_hi, smem);
   if (T > 0) {
-    stage_window<input_t, kConv>(p, layer, slot, hk, b, committed, hist, h_lo, split == 0,
-                                 smem);
+    stage_window<input_t, kConv>(p, layer, slot, hk, b, committed, hist, h_lo, h_hi,
+                                 split == 0, smem);
   }
   if (T > 0 && hk == 0 && split == 0 && threadIdx.x == 0) {
     l.pending[l.layer_slot(layer, slot)] = static_cast<std::uint8_t>(T);
@@ -1190,6 +1194,10 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
                                          split_mode, tiling_of, resident_of);
   p.tiling = staging.tiling;
   p.smem = replay_smem(p.cache.config, p.num_tokens, staging.heads);
+  // REPLAYSSM_TUNE_GDN_SMEM_PAD: unused bytes added to each CTA's shared memory, so that an
+  // A/B run can hold fewer CTAs an SM with the same kernel.
+  static const int smem_pad = tuning_value("REPLAYSSM_TUNE_GDN_SMEM_PAD", 0);
+  p.smem.bytes += std::max(0, smem_pad);
   p.fold_first = use_fold_first(batch, p.num_tokens, fold_first_min_batch);
   static const int l2_passes = tuning_value("REPLAYSSM_TUNE_GDN_L2_PASSES", kL2PrefetchPasses);
   static const int l2_min_batch =
