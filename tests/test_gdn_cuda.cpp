@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/gdn/gdn_staging.h"
 #include "replayssm/ops.h"
 #include "replayssm/state_cache.h"
 #include "testing/cuda_test_util.h"
@@ -404,6 +405,66 @@ TEST(GdnCuda, BadDeviceSlotIdsTouchNothing) {
     const std::vector<float> o = call.output();
     EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float v) { return std::isnan(v); }));
     (void)a;
+  }
+}
+
+// ---- How a replay launch stages its CTAs (host arithmetic: runs without a GPU) --------------
+
+// The choices measured on the H200 (docs/BENCHMARKS.md, "2026-12-04 (evening)"), against its
+// limits: 132 SMs, 228 KB of shared memory an SM, 1 KB of it reserved per CTA.
+TEST(GdnReplayStaging, SplitsAndStagedHeadsOnAnH200) {
+  cuda::DeviceLimits h200;
+  h200.sms = 132;
+  h200.smem_per_block = 227 * 1024;
+  h200.smem_per_sm = 228 * 1024;
+  h200.smem_reserved = 1024;
+  struct Want {
+    GdnShape shape;
+    CheckpointPrecision checkpoint;
+    int buffer_len, tokens, batch;
+    bool conv;
+    int splits, heads;
+  };
+  constexpr auto kFp32 = CheckpointPrecision::kFp32, kBf16 = CheckpointPrecision::kBf16;
+  const Want wants[] = {
+      // 4 value heads a key head: a single-token CTA staging all 4 fits 6 an SM, the floor.
+      {kQwen122b, kFp32, 16, 1, 256, false, 1, 4},
+      {kQwen122b, kBf16, 16, 1, 1024, false, 1, 4},
+      {kQwen122b, kFp32, 16, 1, 64, false, 2, 4},  // two splits, several waves: all 4
+      {kQwen122b, kFp32, 16, 1, 16, false, 4, 1},  // four splits, one wave: its own head
+      {kQwen122b, kFp32, 16, 1, 16, true, 4, 4},   // a conv cache convolves every head
+      // 4-token windows staging all 4 fit 5 an SM: two splits of 2 heads.
+      {kQwen122b, kBf16, 16, 4, 256, false, 2, 2},
+      {kQwen122b, kFp32, 16, 4, 64, false, 2, 2},
+      {kQwen122b, kBf16, 16, 8, 64, false, 4, 1},  // 8 tokens: 2 heads still fit 5
+      {kQwen122b, kFp32, 32, 1, 64, false, 2, 2},  // L = 32: all 4 heads fit 4
+      // 2 value heads a key head: windows of 4 fit 8 an SM as they are; of 8, two splits.
+      {kQwen4b, kBf16, 16, 4, 256, false, 1, 2},
+      {kQwen4b, kBf16, 16, 4, 64, false, 2, 1},
+      {kQwen4b, kFp32, 16, 8, 256, false, 2, 1},
+      {kQwen4b, kFp32, 16, 1, 256, false, 1, 2},
+      {kQwen4b, kFp32, 16, 1, 64, false, 2, 2},
+  };
+  for (const Want& w : wants) {
+    StateCacheConfig c;
+    c.kind = LayerKind::kGdn;
+    c.gdn = w.shape;
+    c.mode = DecodeMode::kReplay;
+    c.checkpoint = w.checkpoint;
+    c.input_dtype = DType::kBF16;
+    c.buffer_len = w.buffer_len;
+    c.max_spec_tokens = w.tokens;
+    c.conv_kernel = w.conv ? 4 : 0;
+    const cuda::gdn::ReplayStaging s =
+        cuda::gdn::replay_staging(c, w.batch, w.tokens, w.conv, h200);
+    SCOPED_TRACE(testing::shape_tag(w.shape) + " L" + std::to_string(w.buffer_len) + " T" +
+                 std::to_string(w.tokens) + " batch " + std::to_string(w.batch) +
+                 (w.conv ? " conv" : ""));
+    EXPECT_EQ(s.tiling.splits, w.splits);
+    EXPECT_EQ(s.heads, w.heads);
+    EXPECT_EQ(s.tiling.splits * s.tiling.rows_per_split, w.shape.num_v_heads /
+                                                             w.shape.num_k_heads *
+                                                             w.shape.head_v_dim);
   }
 }
 

@@ -10,18 +10,13 @@
 #include "replayssm/state_cache.h"
 #include "replayssm/status.h"
 #include "cuda/gdn/gdn_params.cuh"
+#include "cuda/gdn/gdn_staging.h"
 #include "state_cache_layout.h"
 
 namespace replayssm::cuda::gdn {
 
 /// The decode's inputs as the kernels take them (q_scale resolved as the CPU backend does).
 GdnInputs input_args(const GdnDecodeArgs& args, int head_k_dim);
-
-/// Splits a key head's rows over several CTAs when batch·num_k_heads CTAs would leave SMs
-/// idle (small batches): up to `ctas_per_sm` CTAs for each of the device's `sms`; `granule`
-/// rows at least per CTA.
-RowTiling row_tiling(int batch, int num_k_heads, int group_rows, int granule, int sms,
-                     int ctas_per_sm, int min_splits);
 
 /// The shared memory of a replay block for a window of `num_tokens` (0: a fold), staging
 /// `heads` value heads (ReplaySmem::heads), or all of a key head's.

@@ -20,6 +20,7 @@
 
 #include "cuda/common/dispatch.cuh"
 #include "cuda/common/vec.cuh"
+#include "cuda/gdn/gdn_staging.h"
 #include "replayssm/types.h"
 #include "state_cache_layout.h"
 
@@ -43,7 +44,7 @@ namespace replayssm::cuda::gdn {
 /// (the previous tile, 6 CTAs/SM, measured in that same run: 201 / 165 / 157)
 constexpr int kThreads = 128;
 constexpr int kReplayMinBlocks = 8;
-/// Shared memory against residency (gdn_replay.cu, choose_staging). A CTA stages its key
+/// Shared memory against residency (gdn_staging.h, replay_staging). A CTA stages its key
 /// head's ring records and walks for the G value heads it serves; at 4 value heads per key head
 /// (qwen35-122b) that is 33 KB a single-token CTA and 43 KB for a 4-token window, so 6 and 5
 /// CTAs share an SM where the registers allow 8 (4 for 8-token windows at either shape). So
@@ -244,12 +245,6 @@ struct GdnInputs {
   float q_scale = 1.0f;  ///< resolved: args.scale, or K^-1/2 when 0 (as the CPU computes it)
 };
 
-/// Where a CTA's rows lie: rows [split·rows_per_split, ...) of its key head's G·V rows.
-struct RowTiling {
-  int splits = 1;
-  int rows_per_split = 0;
-};
-
 struct EagerParams {
   StateCacheLayout cache;
   GdnInputs in;
@@ -265,7 +260,7 @@ struct EagerParams {
 /// The per-value-head arrays (tq, oring, the v records, the tensor-core reads' query
 /// fragments) hold `heads` value heads: all G of the key head, or, where each split's rows
 /// are an aligned run of fewer (gdn_replay.cu, split_heads) and the launch chooses it
-/// (choose_staging, kReplayResidentFloor), only a split's: local head h at h & head_mask
+/// (replay_staging, kReplayResidentFloor), only a split's: local head h at h & head_mask
 /// (staged_head).
 struct ReplaySmem {
   int heads = 1;       ///< value heads staged: G, or a power of two below it

@@ -1109,53 +1109,26 @@ bool tc_read_fits(CheckpointPrecision p, bool window, bool conv, int head_v_dim)
          head_v_dim % 16 == 0;
 }
 
+/// Whether the ring's v records of a key head's value heads are 16-byte aligned runs, which
+/// stage_history copies with cp.async.
+bool vec_records_async(const StateCacheConfig& c) {
+  const StateDims d = c.dims();
+  const std::int64_t head = std::int64_t{d.rows} * dtype_size(c.input_dtype);
+  return head * d.heads_per_key() % 16 == 0 && head * d.heads % 16 == 0;
+}
+
 /// The value heads a CTA of tiling `t` could stage (ReplaySmem::heads): where every split's
 /// rows are an aligned run of a power of two of whole heads, or lie in one head, that many
 /// (staged_head), if the cache can stage head by head: a plain cache (a conv cache convolves
 /// every head's channels) whose v records of one head are whole 16-byte vectors
 /// (stage_history). Else all G.
-int split_heads(const ReplayParams& p, const RowTiling& t) {
-  const int G = p.heads_per_key, V = p.cache.dims.rows, R = t.rows_per_split;
-  const bool conv = p.in.conv.in != nullptr;
-  const int in_size = static_cast<int>(dtype_size(p.cache.config.input_dtype));
-  if (t.splits == 1 || conv || !p.vec_async || V * in_size % 16 != 0) return G;
+int split_heads(const StateCacheConfig& c, bool conv, const RowTiling& t) {
+  const StateDims d = c.dims();
+  const int G = d.heads_per_key(), V = d.rows, R = t.rows_per_split;
+  const std::int64_t head_bytes = std::int64_t{V} * dtype_size(c.input_dtype);
+  if (t.splits == 1 || conv || !vec_records_async(c) || head_bytes % 16 != 0) return G;
   const int heads = R % V == 0 ? R / V : V % R == 0 ? 1 : G;
   return heads < G && (heads & (heads - 1)) == 0 ? heads : G;
-}
-
-/// A replay launch's tiling and the value heads its CTAs stage (ReplaySmem::heads).
-struct Staging {
-  RowTiling tiling;
-  int heads = 1;
-};
-
-/// The staging of a launch of `batch` rows, from the tiling `tiling_of(1)` picks
-/// (gdn_params.cuh, kReplayResidentFloor). Where fewer than `floor` CTAs staging all G heads
-/// fit an SM, each CTA stages only its split's heads, over further splits while still fewer fit;
-/// else a CTA stages only its split's heads in verify windows, and in single-token steps where
-/// that makes the whole launch resident at once. `split_mode` (REPLAYSSM_TUNE_GDN_SPLIT_HEADS):
-/// 0 every CTA stages all G, 1 this rule, 2 a split's heads wherever the tiling allows (no
-/// further splits).
-template <typename TilingOf, typename ResidentOf>
-Staging choose_staging(const ReplayParams& p, int batch, bool window, int sms, int floor,
-                       int split_mode, const TilingOf& tiling_of, const ResidentOf& resident_of) {
-  const int G = p.heads_per_key;
-  Staging s{tiling_of(1), G};
-  if (split_mode == 0) return s;
-  const bool crowded = split_mode == 1 && resident_of(G) < floor;
-  // The next split count that stages fewer heads (counts whose splits are not aligned runs of
-  // heads are skipped), until the row tiling splits no further.
-  for (RowTiling at = s.tiling; crowded && resident_of(split_heads(p, s.tiling)) < floor;) {
-    const RowTiling finer = tiling_of(at.splits + 1);
-    if (finer.splits <= at.splits) break;
-    at = finer;
-    if (split_heads(p, finer) < split_heads(p, s.tiling)) s.tiling = finer;
-  }
-  const int heads = split_heads(p, s.tiling);
-  const std::int64_t ctas = std::int64_t{batch} * p.cache.dims.key_heads * s.tiling.splits;
-  const bool one_wave = ctas <= std::int64_t{sms} * resident_of(heads);
-  if (split_mode == 2 || crowded || window || one_wave) s.heads = heads;
-  return s;
 }
 
 template <typename input_t, CheckpointPrecision P>
@@ -1168,30 +1141,11 @@ Status launch(ReplayParams p, int batch, int num_layers, cudaStream_t stream) {
   }
   DeviceLimits limits;
   REPLAYSSM_RETURN_IF_ERROR(device_limits(&limits));
-  static const int min_splits = tuning_value("REPLAYSSM_TUNE_GDN_MIN_SPLITS", kMinRowSplits);
   static const int fold_first_min_batch =
       tuning_value("REPLAYSSM_TUNE_FOLD_FIRST_MIN_BATCH", kFoldFirstMinBatch);
-  static const int ctas_per_sm =
-      tuning_value("REPLAYSSM_TUNE_GDN_CTAS_PER_SM", kReplayMinBlocks);
-  static const int split_rows = tuning_value("REPLAYSSM_TUNE_GDN_SPLIT_ROWS", kSplitRows);
-  static const int resident_floor =
-      tuning_value("REPLAYSSM_TUNE_GDN_RESIDENT", kReplayResidentFloor);
-  static const int split_mode = tuning_value("REPLAYSSM_TUNE_GDN_SPLIT_HEADS", 1);
   const bool conv = p.in.conv.in != nullptr;
   const bool window_kernel = takes_window_kernel(conv, p.num_tokens);
-  const auto tiling_of = [&](int splits_at_least) {
-    return row_tiling(batch, p.cache.dims.key_heads, group_rows,
-                      split_granule(kRowGroups * kOutputRows<read_t>, split_rows, kRowGroups),
-                      limits.sms, ctas_per_sm, std::max(min_splits, splits_at_least));
-  };
-  // CTAs of `heads` staged that an SM holds: its shared memory's share, the registers' at most.
-  const auto resident_of = [&](int heads) {
-    const int bytes =
-        replay_smem(p.cache.config, p.num_tokens, heads).bytes + limits.smem_reserved;
-    return std::min(kReplayMinBlocks, limits.smem_per_sm / bytes);
-  };
-  const Staging staging = choose_staging(p, batch, window_kernel, limits.sms, resident_floor,
-                                         split_mode, tiling_of, resident_of);
+  const ReplayStaging staging = replay_staging(p.cache.config, batch, p.num_tokens, conv, limits);
   p.tiling = staging.tiling;
   p.smem = replay_smem(p.cache.config, p.num_tokens, staging.heads);
   // REPLAYSSM_TUNE_GDN_SMEM_PAD: unused bytes added to each CTA's shared memory, so that an
@@ -1255,14 +1209,56 @@ ReplaySmem replay_smem(const StateCacheConfig& c, int num_tokens, int heads) {
                           staged ? kReplayPassBytes : 0, query_bytes);
 }
 
+ReplayStaging replay_staging(const StateCacheConfig& c, int batch, int num_tokens, bool conv,
+                             const DeviceLimits& limits) {
+  static const int min_splits = tuning_value("REPLAYSSM_TUNE_GDN_MIN_SPLITS", kMinRowSplits);
+  static const int ctas_per_sm =
+      tuning_value("REPLAYSSM_TUNE_GDN_CTAS_PER_SM", kReplayMinBlocks);
+  static const int split_rows = tuning_value("REPLAYSSM_TUNE_GDN_SPLIT_ROWS", kSplitRows);
+  static const int floor = tuning_value("REPLAYSSM_TUNE_GDN_RESIDENT", kReplayResidentFloor);
+  // 0: every CTA stages all G; 1: the rule; 2: a split's heads wherever the tiling allows.
+  static const int split_mode = tuning_value("REPLAYSSM_TUNE_GDN_SPLIT_HEADS", 1);
+  const StateDims d = c.dims();
+  const int G = d.heads_per_key();
+  // A read pass: kOutputRows rows of the read copy per thread.
+  const int pass_rows =
+      kRowGroups * (kReplayRowBytes / (kPerLane * checkpoint_traits(c.checkpoint).read_bytes()));
+  const auto tiling_of = [&](int splits_at_least) {
+    return row_tiling(batch, d.key_heads, G * d.rows,
+                      split_granule(pass_rows, split_rows, kRowGroups), limits.sms, ctas_per_sm,
+                      std::max(min_splits, splits_at_least));
+  };
+  // CTAs of `heads` staged that an SM holds: its shared memory's share, the registers' at most.
+  const auto resident_of = [&](int heads) {
+    const int bytes = replay_smem(c, num_tokens, heads).bytes + limits.smem_reserved;
+    return std::min(kReplayMinBlocks, limits.smem_per_sm / bytes);
+  };
+  ReplayStaging s{tiling_of(1), G};
+  if (split_mode == 0) return s;
+  const bool crowded = split_mode == 1 && resident_of(G) < floor;
+  // The next split count that stages fewer heads (counts whose splits are not aligned runs of
+  // heads are skipped), until the row tiling splits no further.
+  for (RowTiling at = s.tiling; crowded && resident_of(split_heads(c, conv, s.tiling)) < floor;) {
+    const RowTiling finer = tiling_of(at.splits + 1);
+    if (finer.splits <= at.splits) break;
+    at = finer;
+    if (split_heads(c, conv, finer) < split_heads(c, conv, s.tiling)) s.tiling = finer;
+  }
+  const int heads = split_heads(c, conv, s.tiling);
+  const std::int64_t ctas = std::int64_t{batch} * d.key_heads * s.tiling.splits;
+  const bool one_wave = ctas <= std::int64_t{limits.sms} * resident_of(heads);
+  const bool window = takes_window_kernel(conv, num_tokens);
+  if (split_mode == 2 || crowded || window || one_wave) s.heads = heads;
+  return s;
+}
+
 Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t stream) {
   const StateCacheConfig& c = l.config;
   ReplayParams p;
   p.cache = l;
   p.heads_per_key = l.dims.heads / l.dims.key_heads;
-  const int K = l.dims.cols, V = l.dims.rows, G = p.heads_per_key;
+  const int K = l.dims.cols, V = l.dims.rows;
   p.row_head_magic = V > 1 ? std::uint32_t(((std::uint64_t{1} << 32) + V - 1) / V) : 0u;
-  const int in_size = static_cast<int>(dtype_size(c.input_dtype));
   const int batch = work.batch;
   p.layer = work.first_layer;
   if (work.decode != nullptr) {
@@ -1275,8 +1271,7 @@ Status launch_replay(StateCacheLayout& l, const ReplayWork& work, cudaStream_t s
   const int T = p.num_tokens;
   const int num_layers = T > 0 ? 1 : work.num_layers;
   p.records = max_history(c.buffer_len, c.max_spec_tokens) + T;
-  const std::int64_t vec_run = std::int64_t{G} * V * in_size;
-  p.vec_async = vec_run % 16 == 0 && (std::int64_t{l.dims.heads} * V * in_size) % 16 == 0;
+  p.vec_async = vec_records_async(c);
 
   return ActivationDTypes::dispatch(c.input_dtype, "input dtype", [&](auto in) {
     using input_t = dtype_t<in.value>;
