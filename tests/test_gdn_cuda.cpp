@@ -116,36 +116,36 @@ std::vector<SideCase> side_cases() {
   // The real shape at serving batches: at 16 each key head's rows split over several CTAs
   // (row_tiling), at 64 the rows are served fold-first (fold_order.cuh); staggered, a few rows
   // fold on each step, aligned, all on one.
-  const auto serving = [&](const char* name, int batch, int stagger, CheckpointPrecision p) {
-    // every row 4L steps after it joins
-    out.push_back(testing::real_shape_replay(NamedShape<GdnShape>{name, kQwen4b}, p, 1, batch,
-                                             stagger, batch * stagger + 64));
-  };
-  for (CheckpointPrecision p : testing::kAllPrecisions) serving("qwen4b_b16", 16, 1, p);
-  serving("qwen4b_b64", 64, 1, CheckpointPrecision::kFp32Bf16);
-  serving("qwen4b_b64", 64, 0, CheckpointPrecision::kFp32);
-  serving("qwen4b_b64", 64, 0, CheckpointPrecision::kBf16);
-  // At kStagedMmaMinBatch (gdn_params.cuh) bf16 read copies' single-token steps are summed on
-  // the tensor cores (read_staged_mma), whose K = 128 variant only real shapes take.
-  serving("qwen4b_b128", 128, 1, CheckpointPrecision::kFp32Bf16);
-  serving("qwen4b_b128", 128, 0, CheckpointPrecision::kBf16);
-  // Four value heads per key head at serving batches (gdn_params.cuh, kReplayResidentFloor):
-  // single tokens stage all 4 heads (64: two splits, 128: one, the bf16 copy on the tensor
-  // cores, read_staged_mma); a 4-token window stages its split's 2 (64: the tiling's two
-  // splits, read_window_mma over fp8; 128: split further from one, so that 7 CTAs fit an SM);
-  // and L = 32, whose single-token staging of all 4 heads is 56 KB, stages its split's 2.
-  const auto serving122 = [&](const char* name, int batch, int window, int stagger,
-                              CheckpointPrecision p, int buffer_len) {
-    SideCase c = testing::real_shape_replay(NamedShape<GdnShape>{name, kQwen122b}, p, window,
-                                            batch, stagger, batch * stagger + 4 * buffer_len);
+  // Every row runs 4L steps after it joins.
+  const auto serving = [&](const char* name, GdnShape shape, int batch, int window, int stagger,
+                           CheckpointPrecision p, int buffer_len) {
+    SideCase c = testing::real_shape_replay(NamedShape<GdnShape>{name, shape}, p, window, batch,
+                                            stagger, batch * stagger + 4 * buffer_len);
     c.buffer_len = buffer_len;
     out.push_back(c);
   };
-  serving122("qwen122b_b64", 64, 1, 1, CheckpointPrecision::kFp32, 16);
-  serving122("qwen122b_b128", 128, 1, 1, CheckpointPrecision::kFp32Bf16, 16);
-  serving122("qwen122b_b128", 128, 4, 0, CheckpointPrecision::kBf16, 16);
-  serving122("qwen122b_b64", 64, 4, 0, CheckpointPrecision::kFp32Fp8, 16);
-  serving122("qwen122b_b64", 64, 1, 0, CheckpointPrecision::kFp32, 32);
+  constexpr auto kFp32 = CheckpointPrecision::kFp32, kBf16Copy = CheckpointPrecision::kBf16;
+  constexpr auto kDual = CheckpointPrecision::kFp32Bf16;
+  for (CheckpointPrecision p : testing::kAllPrecisions) {
+    serving("qwen4b_b16", kQwen4b, 16, 1, 1, p, 16);
+  }
+  serving("qwen4b_b64", kQwen4b, 64, 1, 1, kDual, 16);
+  serving("qwen4b_b64", kQwen4b, 64, 1, 0, kFp32, 16);
+  serving("qwen4b_b64", kQwen4b, 64, 1, 0, kBf16Copy, 16);
+  // At kStagedMmaMinBatch (gdn_params.cuh) bf16 read copies' single-token steps are summed on
+  // the tensor cores (read_staged_mma), whose K = 128 variant only real shapes take.
+  serving("qwen4b_b128", kQwen4b, 128, 1, 1, kDual, 16);
+  serving("qwen4b_b128", kQwen4b, 128, 1, 0, kBf16Copy, 16);
+  // Four value heads per key head at serving batches (gdn_params.cuh, kReplayResidentFloor):
+  // single tokens stage all 4 heads (64: two splits, 128: one, the bf16 copy on the tensor
+  // cores, read_staged_mma); a 4-token window stages its split's 2 (64: the tiling's two
+  // splits, read_window_mma over fp8; 128: split further from one, so that 8 CTAs fit an SM);
+  // and L = 32, whose single-token staging of all 4 heads is 55 KB, stages its split's 2.
+  serving("qwen122b_b64", kQwen122b, 64, 1, 1, kFp32, 16);
+  serving("qwen122b_b128", kQwen122b, 128, 1, 1, kDual, 16);
+  serving("qwen122b_b128", kQwen122b, 128, 4, 0, kBf16Copy, 16);
+  serving("qwen122b_b64", kQwen122b, 64, 4, 0, CheckpointPrecision::kFp32Fp8, 16);
+  serving("qwen122b_b64", kQwen122b, 64, 1, 0, kFp32, 32);
   return out;
 }
 
@@ -446,14 +446,9 @@ TEST(GdnReplayStaging, SplitsAndStagedHeadsOnAnH200) {
       {kQwen4b, kFp32, 16, 1, 64, false, 2, 2},
   };
   for (const Want& w : wants) {
-    StateCacheConfig c;
-    c.kind = LayerKind::kGdn;
+    StateCacheConfig c = replay_config(w.checkpoint, w.batch, w.tokens);
     c.gdn = w.shape;
-    c.mode = DecodeMode::kReplay;
-    c.checkpoint = w.checkpoint;
-    c.input_dtype = DType::kBF16;
     c.buffer_len = w.buffer_len;
-    c.max_spec_tokens = w.tokens;
     c.conv_kernel = w.conv ? 4 : 0;
     const cuda::gdn::ReplayStaging s =
         cuda::gdn::replay_staging(c, w.batch, w.tokens, w.conv, h200);
